@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -140,6 +141,11 @@ func RemoveFile(path string) error {
 	return syncDir(filepath.Dir(path))
 }
 
+// staleAfter is how old a temp file must be before RemoveStaleTemps takes it
+// for a crashed writer's leftover rather than another writer's work in progress
+// (two agents overlap during a rolling upgrade).
+const staleAfter = 30 * time.Second
+
 // RemoveStaleTemps deletes temporary files a crashed writer left in dir.
 func RemoveStaleTemps(dir string) error {
 	ents, err := os.ReadDir(dir)
@@ -150,7 +156,10 @@ func RemoveStaleTemps(dir string) error {
 		return err
 	}
 	for _, e := range ents {
-		if strings.Contains(e.Name(), TempMarker) && e.Type().IsRegular() {
+		if !strings.Contains(e.Name(), TempMarker) || !e.Type().IsRegular() {
+			continue
+		}
+		if info, err := e.Info(); err == nil && time.Since(info.ModTime()) > staleAfter {
 			if err := os.Remove(filepath.Join(dir, e.Name())); err != nil && !errors.Is(err, fs.ErrNotExist) {
 				return err
 			}

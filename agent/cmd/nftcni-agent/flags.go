@@ -1,0 +1,117 @@
+package main
+
+import (
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+)
+
+// flagSet is a flag.FlagSet whose flags each have an environment twin in
+// istio-cni's style (CNI_CONF_NAME for --cni-conf-name). A flag on the
+// command line wins over its env var, which wins over the default.
+type flagSet struct {
+	*flag.FlagSet
+	env map[string]string // flag name -> env var
+}
+
+func newFlagSet(name string) *flagSet {
+	fs := flag.NewFlagSet(name, flag.ContinueOnError)
+	return &flagSet{FlagSet: fs, env: map[string]string{}}
+}
+
+func (f *flagSet) str(p *string, name, env, def, usage string) {
+	f.StringVar(p, name, def, usage+" [env "+env+"]")
+	f.env[name] = env
+}
+
+func (f *flagSet) boolean(p *bool, name, env string, def bool, usage string) {
+	f.BoolVar(p, name, def, usage+" [env "+env+"]")
+	f.env[name] = env
+}
+
+func (f *flagSet) parse(args []string) error {
+	for name, env := range f.env {
+		if v, ok := os.LookupEnv(env); ok {
+			if err := f.Set(name, v); err != nil {
+				return fmt.Errorf("env %s=%q: %w", env, v, err)
+			}
+		}
+	}
+	return f.Parse(args)
+}
+
+// common holds the settings every command shares.
+type common struct {
+	confDir, binDirs, pluginBinary, confName, mode string
+	runDir, logLevel, logFormat, pluginLogLevel    string
+	excludeNamespaces, podNamespace                string
+	standaloneCNIVersion                           string
+	statusRequiresAgent                            bool
+}
+
+func (c *common) register(f *flagSet) {
+	f.str(&c.confDir, "cni-conf-dir", "CNI_CONF_DIR", "/etc/cni/net.d", "host CNI config dir (as mounted in the agent)")
+	f.str(&c.binDirs, "cni-bin-dir", "CNI_BIN_DIR", "/opt/cni/bin", "host CNI bin dir(s), comma-separated; the plugin is copied into each")
+	f.str(&c.pluginBinary, "plugin-binary", "PLUGIN_BINARY", "", "nftcni plugin binary to install (default: nftcni beside this executable)")
+	f.str(&c.confName, "cni-conf-name", "CNI_CONF_NAME", "", "chained/owned/dropin: primary config file to use (default: the first valid one, as runtimes pick it); standalone/owned: our file's name when it ends in .conflist and the mode writes one")
+	f.str(&c.mode, "mode", "INSTALL_MODE", "chained", "chained | standalone | owned | dropin")
+	f.str(&c.runDir, "run-dir", "CNI_AGENT_RUN_DIR", "/var/run/nftcni", "agent run dir: sockets and state the plugin finds through its conflist entry")
+	f.str(&c.logLevel, "log-level", "LOG_LEVEL", "info", "agent log level: debug | info | warn | error")
+	f.str(&c.logFormat, "log-format", "LOG_FORMAT", "text", "agent log format: text | json")
+	f.str(&c.pluginLogLevel, "plugin-log-level", "PLUGIN_LOG_LEVEL", "info", "plugin log level written into its conflist entry")
+	f.str(&c.excludeNamespaces, "exclude-namespaces", "EXCLUDE_NAMESPACES", "kube-system", "comma-separated namespaces whose pods the plugin passes straight through")
+	f.str(&c.podNamespace, "pod-namespace", "POD_NAMESPACE", "", "the agent's own namespace, so the plugin never blocks the agent's pod")
+	f.str(&c.standaloneCNIVersion, "standalone-cni-version", "STANDALONE_CNI_VERSION", "1.0.0", "cniVersion of the list written in standalone mode")
+	f.boolean(&c.statusRequiresAgent, "status-requires-agent", "STATUS_REQUIRES_AGENT", false, "make CNI STATUS fail while the agent is down (marks the node NetworkReady=false on containerd)")
+}
+
+func (c *common) bins() []string {
+	var out []string
+	for _, d := range strings.Split(c.binDirs, ",") {
+		if d = strings.TrimSpace(d); d != "" {
+			out = append(out, d)
+		}
+	}
+	return out
+}
+
+func (c *common) namespaces() []string {
+	out := []string{}
+	for _, n := range strings.Split(c.excludeNamespaces, ",") {
+		if n = strings.TrimSpace(n); n != "" {
+			out = append(out, n)
+		}
+	}
+	return out
+}
+
+// plugin returns the plugin binary path, defaulting to nftcni beside us.
+func (c *common) plugin() string {
+	if c.pluginBinary != "" {
+		return c.pluginBinary
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		return "nftcni"
+	}
+	return filepath.Join(filepath.Dir(exe), "nftcni")
+}
+
+func (c *common) logger(w io.Writer) (*slog.Logger, error) {
+	var lvl slog.Level
+	if err := lvl.UnmarshalText([]byte(c.logLevel)); err != nil {
+		return nil, fmt.Errorf("--log-level: %w", err)
+	}
+	opts := &slog.HandlerOptions{Level: lvl}
+	switch c.logFormat {
+	case "text":
+		return slog.New(slog.NewTextHandler(w, opts)), nil
+	case "json":
+		return slog.New(slog.NewJSONHandler(w, opts)), nil
+	}
+	return nil, fmt.Errorf("--log-format %q: want text or json", c.logFormat)
+}

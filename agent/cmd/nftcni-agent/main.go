@@ -1,0 +1,213 @@
+// Command nftcni-agent is the node agent: it installs the nftcni plugin and
+// its CNI config, keeps them repaired, and (in later stages) serves
+// enrolment decisions and talks to ztunnel.
+//
+//	nftcni-agent install --once   install and exit
+//	nftcni-agent uninstall        remove everything nftcni added
+//	nftcni-agent run              install, then watch and repair until stopped
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"os"
+	"os/signal"
+	"strconv"
+	"syscall"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/nftcni/nftcni/agent/health"
+	"github.com/nftcni/nftcni/agent/install"
+	"github.com/nftcni/nftcni/templates"
+)
+
+const usage = `usage: nftcni-agent <command> [flags]
+
+commands:
+  run        install the plugin and its CNI config, then watch and repair them
+  install    install once (with --once) and exit
+  uninstall  remove the plugin entry, our files and the plugin binary
+  version    print the version
+
+Run "nftcni-agent <command> -h" for the flags; each has an env var twin.
+`
+
+var version = "dev"
+
+func main() {
+	if len(os.Args) < 2 {
+		fmt.Fprint(os.Stderr, usage)
+		os.Exit(2)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	var err error
+	switch cmd, args := os.Args[1], os.Args[2:]; cmd {
+	case "run":
+		err = runCmd(ctx, args)
+	case "install":
+		err = installCmd(ctx, args)
+	case "uninstall":
+		err = uninstallCmd(args)
+	case "version", "--version":
+		fmt.Println("nftcni-agent", version)
+	case "-h", "--help", "help":
+		fmt.Print(usage)
+	default:
+		fmt.Fprintf(os.Stderr, "unknown command %q\n\n%s", cmd, usage)
+		os.Exit(2)
+	}
+	if errors.Is(err, flag.ErrHelp) {
+		os.Exit(0)
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "nftcni-agent:", err)
+		os.Exit(1)
+	}
+}
+
+// newInstaller renders our config from the flags and builds the installer.
+func newInstaller(c *common, log *slog.Logger, needBinary bool) (*install.Installer, error) {
+	mode, err := install.ParseMode(c.mode)
+	if err != nil {
+		return nil, err
+	}
+	vals := templates.Values{
+		LogLevel:            c.pluginLogLevel,
+		AgentRunDir:         c.runDir,
+		ExcludeNamespaces:   c.namespaces(),
+		PodNamespace:        c.podNamespace,
+		StatusRequiresAgent: c.statusRequiresAgent,
+	}
+	entry, err := templates.PluginEntry(vals)
+	if err != nil {
+		return nil, err
+	}
+	cfg := install.Config{
+		ConfDir: c.confDir, BinDirs: c.bins(), ConfName: c.confName,
+		Mode: mode, Entry: entry, Log: log,
+	}
+	if mode == install.Standalone {
+		if cfg.Standalone, err = templates.Standalone(vals, c.standaloneCNIVersion, "nftcni"); err != nil {
+			return nil, err
+		}
+	}
+	if needBinary {
+		cfg.PluginBinary = c.plugin()
+	}
+	return install.New(cfg)
+}
+
+func installCmd(ctx context.Context, args []string) error {
+	var c common
+	var once bool
+	f := newFlagSet("install")
+	c.register(f)
+	f.boolean(&once, "once", "INSTALL_ONCE", false, "install once and exit instead of watching")
+	if err := f.parse(args); err != nil {
+		return err
+	}
+	log, err := c.logger(os.Stderr)
+	if err != nil {
+		return err
+	}
+	in, err := newInstaller(&c, log, true)
+	if err != nil {
+		return err
+	}
+	if !once {
+		return in.Run(ctx, install.DefaultLoopConfig(), nil, nil)
+	}
+	if err := in.RemoveOtherModes(); err != nil {
+		log.Warn("could not remove config left by another install mode", "err", err)
+	}
+	res, err := in.Install()
+	for _, sk := range res.Skipped {
+		log.Warn("SKIPPING invalid CNI config: containerd fails its whole CNI config load on a file like this", "path", sk.Path, "err", sk.Err)
+	}
+	if err != nil {
+		return err
+	}
+	log.Info("installed", "mode", c.mode, "config", res.Config, "primary", res.Primary, "wrote", len(res.Wrote))
+	return nil
+}
+
+func uninstallCmd(args []string) error {
+	var c common
+	f := newFlagSet("uninstall")
+	c.register(f)
+	if err := f.parse(args); err != nil {
+		return err
+	}
+	log, err := c.logger(os.Stderr)
+	if err != nil {
+		return err
+	}
+	in, err := newInstaller(&c, log, false)
+	if err != nil {
+		return err
+	}
+	return in.Uninstall()
+}
+
+func runCmd(ctx context.Context, args []string) error {
+	var c common
+	var healthAddr, monitoringPort, onExit string
+	f := newFlagSet("run")
+	c.register(f)
+	f.str(&healthAddr, "health-addr", "HEALTH_ADDR", ":8000", "address for /healthz and /readyz")
+	f.str(&monitoringPort, "monitoring-port", "MONITORING_PORT", "15014", "port for Prometheus /metrics; 0 or less disables it")
+	f.str(&onExit, "on-exit", "ON_EXIT", "keep", "what to do with the installed plugin on shutdown: keep (restart or upgrade) | uninstall")
+	if err := f.parse(args); err != nil {
+		return err
+	}
+	if onExit != "keep" && onExit != "uninstall" {
+		return fmt.Errorf("--on-exit %q: want keep or uninstall", onExit)
+	}
+	log, err := c.logger(os.Stderr)
+	if err != nil {
+		return err
+	}
+	in, err := newInstaller(&c, log, true)
+	if err != nil {
+		return err
+	}
+	log.Info("nftcni-agent starting", "version", version, "mode", c.mode, "cni-conf-dir", c.confDir,
+		"cni-bin-dir", c.bins(), "plugin-binary", c.plugin(), "run-dir", c.runDir, "on-exit", onExit)
+
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	metrics := install.NewMetrics(reg)
+	state := &install.State{}
+	addr, err := health.Serve(ctx, healthAddr, health.Handler(state.Ready), log)
+	if err != nil {
+		return fmt.Errorf("health server on %s: %w", healthAddr, err)
+	}
+	log.Info("serving /healthz and /readyz", "addr", addr.String())
+	if port, err := strconv.Atoi(monitoringPort); err != nil {
+		return fmt.Errorf("--monitoring-port %q: %w", monitoringPort, err)
+	} else if port > 0 {
+		mux := http.NewServeMux()
+		mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+		maddr, err := health.Serve(ctx, ":"+monitoringPort, mux, log)
+		if err != nil {
+			return fmt.Errorf("metrics server on :%s: %w", monitoringPort, err)
+		}
+		log.Info("serving Prometheus /metrics", "addr", maddr.String())
+	}
+
+	runErr := in.Run(ctx, install.DefaultLoopConfig(), metrics, state)
+	if onExit == "uninstall" {
+		log.Info("shutting down: uninstalling nftcni")
+		return errors.Join(runErr, in.Uninstall())
+	}
+	log.Info("shutting down: leaving the plugin and its config in place (--on-exit=keep)")
+	return runErr
+}
