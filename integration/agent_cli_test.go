@@ -1,0 +1,259 @@
+// Package integration runs the built nftcni binaries the way a node runs
+// them: as processes, configured by flags and env vars, killed by signals.
+package integration
+
+import (
+	"bufio"
+	"bytes"
+	"fmt"
+	"io"
+	"math/rand"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/nftcni/nftcni/conflist"
+)
+
+var binDir string
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "nftcni-integration-bin")
+	if err != nil {
+		panic(err)
+	}
+	binDir = dir
+	build := exec.Command("go", "build", "-o", dir+"/", "../plugin/cmd/nftcni", "../agent/cmd/nftcni-agent")
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
+		fmt.Fprintf(os.Stderr, "building binaries: %v\n%s", err, out)
+		os.RemoveAll(dir)
+		os.Exit(1)
+	}
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+type host struct {
+	conf, bin string
+	orig      []byte
+}
+
+const primary = "10-calico.conflist"
+
+func newHost(t *testing.T) *host {
+	t.Helper()
+	root := t.TempDir()
+	h := &host{conf: filepath.Join(root, "net.d"), bin: filepath.Join(root, "bin")}
+	for _, d := range []string{h.conf, h.bin} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var err error
+	if h.orig, err = os.ReadFile("../conflist/testdata/corpus/" + primary); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(h.path(), h.orig, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return h
+}
+
+func (h *host) path() string { return filepath.Join(h.conf, primary) }
+
+// agent builds an nftcni-agent command configured through env-var twins.
+func (h *host) agent(args ...string) *exec.Cmd {
+	cmd := exec.Command(filepath.Join(binDir, "nftcni-agent"), args...)
+	cmd.Env = append(os.Environ(),
+		"CNI_CONF_DIR="+h.conf, "CNI_BIN_DIR="+h.bin,
+		"PLUGIN_BINARY="+filepath.Join(binDir, "nftcni"), "LOG_LEVEL=info")
+	return cmd
+}
+
+func (h *host) entries(t *testing.T) int {
+	t.Helper()
+	b, err := os.ReadFile(h.path())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conflist.Parse(h.path(), b); err != nil {
+		t.Fatalf("primary config is not valid: %v\n%s", err, b)
+	}
+	return len(conflist.Entries(b, "nftcni"))
+}
+
+func run(t *testing.T, cmd *exec.Cmd) string {
+	t.Helper()
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("%v: %v\n%s", cmd.Args, err, out)
+	}
+	return string(out)
+}
+
+func TestInstallOnceAndUninstall(t *testing.T) {
+	h := newHost(t)
+	run(t, h.agent("install", "--once"))
+	if n := h.entries(t); n != 1 {
+		t.Fatalf("%d entries after install", n)
+	}
+	installed, _ := os.ReadFile(h.path())
+	out := run(t, exec.Command("sh", "-c", "CNI_COMMAND=VERSION "+filepath.Join(h.bin, "nftcni")+" </dev/null"))
+	if !strings.Contains(out, `"supportedVersions"`) {
+		t.Errorf("installed plugin does not answer VERSION: %s", out)
+	}
+	// A flag wins over its env twin: this conf dir does not exist, so it must fail.
+	if out, err := h.agent("install", "--once", "--cni-conf-dir", filepath.Join(h.conf, "missing")).CombinedOutput(); err == nil {
+		t.Errorf("flag did not override env: %s", out)
+	}
+	run(t, h.agent("install", "--once"))
+	if again, _ := os.ReadFile(h.path()); !bytes.Equal(again, installed) {
+		t.Error("second install changed the file")
+	}
+	run(t, h.agent("uninstall"))
+	if got, _ := os.ReadFile(h.path()); !bytes.Equal(got, h.orig) {
+		t.Errorf("uninstall did not restore the original bytes:\n%s", got)
+	}
+	if _, err := os.Stat(filepath.Join(h.bin, "nftcni")); err == nil {
+		t.Error("plugin binary left after uninstall")
+	}
+}
+
+func TestUnknownModeIsAClearError(t *testing.T) {
+	h := newHost(t)
+	out, err := h.agent("install", "--once", "--mode", "sideways").CombinedOutput()
+	if err == nil || !strings.Contains(string(out), `unknown install mode "sideways"`) {
+		t.Errorf("err %v, output %s", err, out)
+	}
+	if got, _ := os.ReadFile(h.path()); !bytes.Equal(got, h.orig) {
+		t.Error("config touched on a usage error")
+	}
+}
+
+// startAgent runs `nftcni-agent run` and returns it with its health address.
+func startAgent(t *testing.T, h *host, extra ...string) (*exec.Cmd, string, *bytes.Buffer) {
+	t.Helper()
+	args := append([]string{"run", "--health-addr", "127.0.0.1:0", "--monitoring-port", "0"}, extra...)
+	cmd := h.agent(args...)
+	stderr, err := cmd.StderrPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _, _ = cmd.Process.Wait() })
+	logs := &bytes.Buffer{}
+	addrRe := regexp.MustCompile(`serving /healthz and /readyz" addr=(\S+)`)
+	sc := bufio.NewScanner(stderr)
+	addr := ""
+	for addr == "" && sc.Scan() {
+		logs.WriteString(sc.Text() + "\n")
+		if m := addrRe.FindStringSubmatch(sc.Text()); m != nil {
+			addr = m[1]
+		}
+	}
+	if addr == "" {
+		t.Fatalf("agent did not report its health address:\n%s", logs)
+	}
+	go func() { _, _ = io.Copy(io.Discard, stderr) }()
+	return cmd, addr, logs
+}
+
+func waitReady(t *testing.T, addr string) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) {
+		resp, err := http.Get("http://" + addr + "/readyz")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return
+			}
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	t.Fatal("agent never became ready")
+}
+
+func TestRunKeepsInstallOnRestartAndUninstallsWhenAsked(t *testing.T) {
+	h := newHost(t)
+	cmd, addr, _ := startAgent(t, h)
+	waitReady(t, addr)
+	if n := h.entries(t); n != 1 {
+		t.Fatalf("%d entries while running", n)
+	}
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Wait(); err != nil {
+		t.Fatalf("agent exit: %v", err)
+	}
+	if n := h.entries(t); n != 1 {
+		t.Errorf("--on-exit keep: %d entries after SIGTERM, want 1", n)
+	}
+
+	cmd, addr, _ = startAgent(t, h, "--on-exit", "uninstall")
+	waitReady(t, addr)
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Wait(); err != nil {
+		t.Fatalf("agent exit: %v", err)
+	}
+	if got, _ := os.ReadFile(h.path()); !bytes.Equal(got, h.orig) {
+		t.Errorf("--on-exit uninstall did not restore the original:\n%s", got)
+	}
+}
+
+// TestSIGKILLAtRandomPointsLeavesValidFiles kills the agent with SIGKILL at
+// random moments while another writer fights over the primary's file. After
+// every kill the file must be a complete, valid config (old or new, never
+// half-written) holding at most one entry of ours, and no file a runtime
+// would load may be left behind. A final install gives exactly one entry and
+// uninstall the original bytes.
+func TestSIGKILLAtRandomPointsLeavesValidFiles(t *testing.T) {
+	h := newHost(t)
+	rng := rand.New(rand.NewSource(time.Now().UnixNano()))
+	for i := 0; i < 20; i++ {
+		cmd := h.agent("run", "--health-addr", "127.0.0.1:0", "--monitoring-port", "0")
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = cmd.Process.Kill(); _, _ = cmd.Process.Wait() })
+		deadline := time.Now().Add(time.Duration(20+rng.Intn(200)) * time.Millisecond)
+		for time.Now().Before(deadline) { // the primary rewrites its file meanwhile
+			if err := conflist.WriteFile(h.path(), h.orig, nil); err != nil {
+				t.Fatal(err)
+			}
+			time.Sleep(time.Duration(rng.Intn(15)) * time.Millisecond)
+		}
+		_ = cmd.Process.Kill()
+		_, _ = cmd.Process.Wait()
+		if n := h.entries(t); n > 1 {
+			t.Fatalf("kill %d: %d entries of ours", i, n)
+		}
+		ents, _ := os.ReadDir(h.conf)
+		for _, e := range ents {
+			if e.Name() != primary && conflist.Loadable(e.Name()) {
+				t.Fatalf("kill %d: stray loadable file %s", i, e.Name())
+			}
+		}
+	}
+	run(t, h.agent("install", "--once"))
+	if n := h.entries(t); n != 1 {
+		t.Fatalf("%d entries after recovery install", n)
+	}
+	run(t, h.agent("uninstall"))
+	if got, _ := os.ReadFile(h.path()); !bytes.Equal(got, h.orig) {
+		t.Error("uninstall after kills did not restore the original")
+	}
+}
