@@ -1,0 +1,146 @@
+package nft
+
+import (
+	"net/netip"
+
+	"github.com/google/nftables"
+)
+
+// Istio's constants (istio-cni cni/pkg/config): ztunnel's ports and marks.
+const (
+	ZtunnelOutboundPort uint16 = 15001
+	ZtunnelInboundPort  uint16 = 15006
+	HBONEPort           uint16 = 15008
+	DNSCapturePort      uint16 = 15053
+
+	// ZtunnelMark is SO_MARK on ztunnel's sockets (1337); MarkMask covers the
+	// bits Istio owns.
+	ZtunnelMark uint32 = 0x539
+	MarkMask    uint32 = 0xfff
+	// ConnMark marks connections ztunnel opened into the pod, so replies are
+	// routed back to it by RouteTable.
+	ConnMark   uint32 = 0x111
+	RouteTable        = 100
+	// RulePriority is the `ip rule` preference Istio uses.
+	RulePriority = 32764
+
+	// PodTable is our table in a pod netns.
+	PodTable = "nftcni"
+)
+
+// Probe SNAT addresses: kubelet's probes to enrolled pods come from these.
+var (
+	ProbeSNATv4 = netip.MustParseAddr("169.254.7.127")
+	ProbeSNATv6 = netip.MustParseAddr("fd16:9254:7127:1337:ffff:ffff:ffff:ffff")
+	loopback4   = netip.MustParsePrefix("127.0.0.1/32")
+	loopback6   = netip.MustParsePrefix("::1/128")
+)
+
+// AmbientSpec is what decides a pod's ambient ruleset.
+type AmbientSpec struct {
+	// DNSCapture redirects DNS (UDP and TCP port 53) to ztunnel's 15053.
+	DNSCapture bool
+	// IPv6 adds the ip6 twin of every address-specific rule.
+	IPv6 bool
+	// IngressBypass (ambient.istio.io/bypass-inbound-capture) leaves inbound
+	// traffic alone; outbound is still captured.
+	IngressBypass bool
+	// VirtualInterfaces (istio.io/reroute-virtual-interfaces): TCP arriving
+	// on them is treated as outbound and sent to 15001.
+	VirtualInterfaces []string
+}
+
+// chain names in the pod table; one inet table holds nat, mangle and raw
+// base chains (Istio uses three tables for the same hooks).
+const (
+	natPre     = "nat-prerouting"
+	natOut     = "nat-output"
+	manglePre  = "mangle-prerouting"
+	mangleOut  = "mangle-output"
+	rawPre     = "raw-prerouting"
+	rawOut     = "raw-output"
+	prioRaw    = -300
+	prioMangle = -150
+	prioNAT    = -100
+)
+
+// Ambient builds the in-pod ruleset that sends a pod's traffic to ztunnel:
+// Istio's ambient ruleset (§3.1 of the reference), rule for rule.
+func Ambient(s AmbientSpec) *Ruleset {
+	t := &Table{Name: PodTable}
+	t.base(natPre, nftables.ChainTypeNAT, nftables.ChainHookPrerouting, prioNAT)
+	t.base(natOut, nftables.ChainTypeNAT, nftables.ChainHookOutput, prioNAT)
+	t.base(manglePre, nftables.ChainTypeFilter, nftables.ChainHookPrerouting, prioMangle)
+	t.base(mangleOut, nftables.ChainTypeRoute, nftables.ChainHookOutput, prioMangle)
+	if s.DNSCapture {
+		t.base(rawPre, nftables.ChainTypeFilter, nftables.ChainHookPrerouting, prioRaw)
+		t.base(rawOut, nftables.ChainTypeFilter, nftables.ChainHookOutput, prioRaw)
+	}
+	fams := []bool{true}
+	if s.IPv6 {
+		fams = append(fams, false)
+	}
+	snat := func(v4 bool) netip.Prefix {
+		if v4 {
+			return netip.PrefixFrom(ProbeSNATv4, 32)
+		}
+		return netip.PrefixFrom(ProbeSNATv6, 128)
+	}
+	lo := func(v4 bool) netip.Prefix {
+		if v4 {
+			return loopback4
+		}
+		return loopback6
+	}
+	notZtunnel := Mark(Neq, MarkMask, ZtunnelMark)
+
+	// Inbound.
+	for _, v := range s.VirtualInterfaces {
+		t.add(natPre, IfName(true, Eq, v), L4(TCP), Counter(), Redirect(ZtunnelOutboundPort))
+	}
+	if !s.IngressBypass {
+		for _, v4 := range fams { // kubelet probes, SNATed on the host, bypass ztunnel
+			t.add(natPre, L4(TCP), Addr(true, Eq, snat(v4)), Counter(), Accept())
+		}
+		for _, v4 := range fams { // everything else but HBONE and ztunnel's own packets
+			t.add(natPre, Addr(false, Neq, lo(v4)), DPort(TCP, Neq, HBONEPort), notZtunnel, Counter(), Redirect(ZtunnelInboundPort))
+		}
+	}
+
+	// Outbound.
+	for _, v4 := range fams { // replies to probes
+		t.add(natOut, L4(TCP), Addr(false, Eq, snat(v4)), Counter(), Accept())
+	}
+	if s.DNSCapture {
+		t.add(natOut, IfName(false, Neq, "lo"), notZtunnel, DPort(UDP, Eq, 53), Counter(), Redirect(DNSCapturePort))
+		for _, v4 := range fams {
+			t.add(natOut, Addr(false, Neq, lo(v4)), DPort(TCP, Eq, 53), notZtunnel, Counter(), Redirect(DNSCapturePort))
+		}
+	}
+	// Replies on connections ztunnel opened into the pod go back as they are.
+	t.add(natOut, L4(TCP), Mark(Eq, MarkMask, ConnMark), Counter(), Accept())
+	for _, v4 := range fams { // the app talking to its own pod IP over lo
+		t.add(natOut, IfName(false, Eq, "lo"), Addr(false, Neq, lo(v4)), Counter(), Accept())
+	}
+	for _, v4 := range fams {
+		t.add(natOut, L4(TCP), Addr(false, Neq, lo(v4)), notZtunnel, Counter(), Redirect(ZtunnelOutboundPort))
+	}
+
+	// Connection marks: remember that ztunnel opened a connection, and put
+	// the mark back on its replies so policy routing returns them to ztunnel.
+	t.add(manglePre, Mark(Eq, MarkMask, ZtunnelMark), Counter(), SetCtMarkBits(^MarkMask, ConnMark))
+	t.add(mangleOut, CtMark(Eq, MarkMask, ConnMark), Counter(), SetMarkFromCt())
+
+	// A conntrack zone of its own for ztunnel's upstream DNS, so its UDP
+	// ports cannot collide with the app's (istio/istio#33469).
+	if s.DNSCapture {
+		t.add(rawOut, DPort(UDP, Eq, 53), Mark(Eq, MarkMask, ZtunnelMark), Counter(), SetCtZone(1))
+		t.add(rawPre, SPort(UDP, Eq, 53), notZtunnel, Counter(), SetCtZone(1))
+	}
+
+	rs := &Ruleset{Tables: []*Table{t}}
+	for _, v4 := range fams {
+		rs.Routes = append(rs.Routes, Route{Mark: ConnMark, Mask: MarkMask, Table: RouteTable, Priority: RulePriority, V6: !v4})
+	}
+	return rs
+}

@@ -1,0 +1,157 @@
+package nft
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+
+	"github.com/google/nftables"
+	"github.com/google/nftables/expr"
+	"github.com/google/nftables/userdata"
+	"golang.org/x/sys/unix"
+)
+
+// ruleCommentType is libnftnl's NFTNL_UDATA_RULE_COMMENT, the TLV nft reads
+// a rule's comment from.
+const ruleCommentType userdata.Type = 0
+
+// conn opens a netlink connection in the netns behind fd (0: the caller's
+// own netns). The library dials inside that netns itself; no setns here.
+func conn(fd int) (*nftables.Conn, error) {
+	if fd == 0 {
+		return nftables.New()
+	}
+	return nftables.New(nftables.WithNetNSFd(fd))
+}
+
+// ourTables lists which of the named inet tables exist.
+func ourTables(c *nftables.Conn, names []string) (map[string]bool, error) {
+	ts, err := c.ListTablesOfFamily(nftables.TableFamilyINet)
+	if err != nil {
+		return nil, fmt.Errorf("listing inet tables: %w", err)
+	}
+	have := map[string]bool{}
+	for _, t := range ts {
+		if slices.Contains(names, t.Name) {
+			have[t.Name] = true
+		}
+	}
+	return have, nil
+}
+
+func (rs *Ruleset) names() []string {
+	var n []string
+	for _, t := range rs.Tables {
+		n = append(n, t.Name)
+	}
+	return n
+}
+
+// Apply programs rs into the netns behind fd (0 = own netns) in one batch:
+// a table that does not exist yet is only added (the cheap path into a fresh
+// pod netns); one that exists is deleted and re-added in the same batch, an
+// atomic replace. Policy routes follow the batch. Other tables are never
+// touched.
+func Apply(fd int, rs *Ruleset) error {
+	c, err := conn(fd)
+	if err != nil {
+		return err
+	}
+	have, err := ourTables(c, rs.names())
+	if err != nil {
+		return err
+	}
+	var setID uint32
+	for _, t := range rs.Tables {
+		nt := &nftables.Table{Name: t.Name, Family: nftables.TableFamilyINet}
+		if have[t.Name] {
+			c.AddTable(nt)
+			c.DelTable(nt)
+		}
+		c.AddTable(nt)
+		for _, s := range t.Sets {
+			setID++ // per batch, so concurrent applies share no counter
+			if err := c.AddSet(nftSet(nt, s, setID), elements(s)); err != nil {
+				return fmt.Errorf("table %s set %s: %w", t.Name, s.Name, err)
+			}
+		}
+		chains := make([]*nftables.Chain, len(t.Chains))
+		for i, ch := range t.Chains { // all chains first: rules may jump forward
+			chains[i] = c.AddChain(nftChain(nt, ch))
+		}
+		for i, ch := range t.Chains {
+			for _, r := range ch.Rules {
+				c.AddRule(nftRule(nt, chains[i], r))
+			}
+		}
+	}
+	if err := c.Flush(); err != nil {
+		return fmt.Errorf("programming tables %v: %w", rs.names(), err)
+	}
+	return applyRoutes(fd, rs.Routes)
+}
+
+// Delete removes the named tables and the policy routes of rs; anything
+// already gone (table, routes, even the netns) is not an error.
+func Delete(fd int, rs *Ruleset) error {
+	c, err := conn(fd)
+	if err != nil {
+		return err
+	}
+	for attempt := 0; ; attempt++ {
+		have, err := ourTables(c, rs.names())
+		if err != nil {
+			return err
+		}
+		if len(have) == 0 {
+			break
+		}
+		for name := range have {
+			c.DelTable(&nftables.Table{Name: name, Family: nftables.TableFamilyINet})
+		}
+		err = c.Flush()
+		if err == nil || attempt > 0 || !errors.Is(err, unix.ENOENT) {
+			if err != nil {
+				return fmt.Errorf("deleting tables %v: %w", rs.names(), err)
+			}
+			break
+		}
+		// Someone deleted a table between our list and our delete: list again.
+	}
+	return deleteRoutes(fd, rs.Routes)
+}
+
+func nftSet(t *nftables.Table, s *Set, id uint32) *nftables.Set {
+	kt := nftables.TypeIPAddr
+	if s.V6 {
+		kt = nftables.TypeIP6Addr
+	}
+	return &nftables.Set{Table: t, Name: s.Name, ID: id, KeyType: kt, Comment: s.Comment}
+}
+
+func elements(s *Set) []nftables.SetElement {
+	out := make([]nftables.SetElement, len(s.Elements))
+	for i, e := range s.Elements {
+		out[i] = nftables.SetElement{Key: e.Addr.AsSlice(), Comment: e.Comment}
+	}
+	return out
+}
+
+func nftChain(t *nftables.Table, ch *Chain) *nftables.Chain {
+	nc := &nftables.Chain{Name: ch.Name, Table: t}
+	if ch.Hook != nil {
+		accept := nftables.ChainPolicyAccept
+		hook := ch.Hook.Hook
+		prio := nftables.ChainPriority(ch.Hook.Priority)
+		nc.Type, nc.Hooknum, nc.Priority, nc.Policy = ch.Hook.Type, &hook, &prio, &accept
+	}
+	return nc
+}
+
+func nftRule(t *nftables.Table, c *nftables.Chain, r Rule) *nftables.Rule {
+	var ex []expr.Any
+	for _, term := range r {
+		ex = append(ex, term.Exprs()...)
+	}
+	return &nftables.Rule{Table: t, Chain: c, Exprs: ex, UserData: userdata.AppendString(nil, ruleCommentType, r.Tag())}
+}

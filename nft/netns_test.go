@@ -1,0 +1,215 @@
+package nft
+
+import (
+	"errors"
+	"fmt"
+	"os/exec"
+	"regexp"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/nftcni/nftcni/internal/testnet"
+)
+
+var counters = regexp.MustCompile(`counter packets \d+ bytes \d+`)
+
+// nftList runs `nft list table` in a netns (tests may read with nft; the
+// product never runs it) with counters normalised to "counter".
+func nftList(t *testing.T, n *testnet.NS, table string) string {
+	t.Helper()
+	if _, err := exec.LookPath("nft"); err != nil {
+		t.Skip("the nft binary (Debian nftables) is needed to read rules back")
+	}
+	out, err := exec.Command("ip", "netns", "exec", n.Name, "nft", "list", "table", "inet", table).CombinedOutput()
+	if err != nil {
+		return "error: " + strings.TrimSpace(string(out))
+	}
+	return counters.ReplaceAllString(string(out), "counter")
+}
+
+func nftRun(t *testing.T, n *testnet.NS, args ...string) {
+	t.Helper()
+	if out, err := exec.Command("ip", append([]string{"netns", "exec", n.Name, "nft"}, args...)...).CombinedOutput(); err != nil {
+		t.Fatalf("nft %v: %v\n%s", args, err, out)
+	}
+}
+
+// TestApplyMatchesGoldenInNetns programs every variant into a fresh netns and
+// checks that nft lists exactly the golden text, that Verify agrees, that a
+// second Apply (atomic replace) gives the same, and that Delete removes the
+// table and policy routes and succeeds again when they are gone.
+func TestApplyMatchesGoldenInNetns(t *testing.T) {
+	testnet.RequireRoot(t)
+	for _, v := range variants(t) {
+		t.Run(v.name, func(t *testing.T) {
+			n := testnet.NewNS(t, "nftgold")
+			table := v.rs.Tables[0].Name
+			if err := Apply(n.FD, v.rs); err != nil {
+				t.Fatal(err)
+			}
+			want := Render(v.rs.Tables...)
+			if got := nftList(t, n, table); got != want {
+				t.Fatalf("nft lists:\n%s\nwant:\n%s", got, want)
+			}
+			if err := Verify(n.FD, v.rs); err != nil {
+				t.Fatalf("verify after apply: %v", err)
+			}
+			if err := Apply(n.FD, v.rs); err != nil {
+				t.Fatalf("re-apply: %v", err)
+			}
+			if got := nftList(t, n, table); got != want {
+				t.Fatalf("after replace nft lists:\n%s", got)
+			}
+			if err := Delete(n.FD, v.rs); err != nil {
+				t.Fatal(err)
+			}
+			if got := nftList(t, n, table); !strings.HasPrefix(got, "error:") {
+				t.Fatalf("table still there after delete:\n%s", got)
+			}
+			if err := routesPresent(n.FD, v.rs.Routes); len(v.rs.Routes) > 0 && err == nil {
+				t.Error("policy routes still there after delete")
+			}
+			if err := Delete(n.FD, v.rs); err != nil {
+				t.Errorf("second delete: %v", err)
+			}
+			var d *DriftError
+			if err := Verify(n.FD, v.rs); !errors.As(err, &d) {
+				t.Errorf("verify of a deleted ruleset: %v", err)
+			}
+		})
+	}
+}
+
+func TestVerifyDetectsDriftAndApplyRepairs(t *testing.T) {
+	testnet.RequireRoot(t)
+	rs := Ambient(AmbientSpec{DNSCapture: true, IPv6: true})
+	for name, mess := range map[string][]string{
+		"flushed chain":  {"flush", "chain", "inet", PodTable, natOut},
+		"extra rule":     {"add", "rule", "inet", PodTable, natPre, "tcp", "dport", "22", "accept"},
+		"deleted table":  {"delete", "table", "inet", PodTable},
+		"foreign chain":  {"add", "chain", "inet", PodTable, "intruder"},
+		"flushed table":  {"flush", "table", "inet", PodTable},
+		"whole ruleset":  {"flush", "ruleset"},
+		"inserted first": {"insert", "rule", "inet", PodTable, mangleOut, "accept"},
+	} {
+		t.Run(name, func(t *testing.T) {
+			n := testnet.NewNS(t, "nftdrift")
+			if err := Apply(n.FD, rs); err != nil {
+				t.Fatal(err)
+			}
+			nftRun(t, n, mess...)
+			var d *DriftError
+			if err := Verify(n.FD, rs); !errors.As(err, &d) {
+				t.Fatalf("drift not detected: %v", err)
+			}
+			if err := Apply(n.FD, rs); err != nil {
+				t.Fatal(err)
+			}
+			if err := Verify(n.FD, rs); err != nil {
+				t.Fatalf("still drifting after re-apply: %v", err)
+			}
+		})
+	}
+	t.Run("policy route removed", func(t *testing.T) {
+		n := testnet.NewNS(t, "nftdrift")
+		if err := Apply(n.FD, rs); err != nil {
+			t.Fatal(err)
+		}
+		testnet.IP(t, "-n", n.Name, "rule", "del", "fwmark", "0x111/0xfff", "lookup", "100")
+		if err := Verify(n.FD, rs); err == nil || !strings.Contains(err.Error(), "ip rule") {
+			t.Fatalf("missing ip rule not reported: %v", err)
+		}
+	})
+}
+
+// TestOtherTablesAreLeftAlone puts iptables-nft, iptables-legacy and a plain
+// nft table in the pod netns; applying and deleting ours changes none of them.
+func TestOtherTablesAreLeftAlone(t *testing.T) {
+	testnet.RequireRoot(t)
+	n := testnet.NewNS(t, "nftcoex")
+	nftRun(t, n, "add", "table", "inet", "someone-else")
+	nftRun(t, n, "add", "chain", "inet", "someone-else", "c", "{ type filter hook input priority 0; }")
+	ipt := addIptables(t, n)
+	before := listAll(t, n)
+	rs := Ambient(AmbientSpec{DNSCapture: true, IPv6: true})
+	if err := Apply(n.FD, rs); err != nil {
+		t.Fatal(err)
+	}
+	if err := Apply(n.FD, rs); err != nil {
+		t.Fatal(err)
+	}
+	if err := Delete(n.FD, rs); err != nil {
+		t.Fatal(err)
+	}
+	if after := listAll(t, n); after != before {
+		t.Errorf("other rules changed:\nbefore:\n%s\nafter:\n%s", before, after)
+	}
+	for _, c := range ipt {
+		out, err := exec.Command("ip", "netns", "exec", n.Name, c, "-t", "nat", "-S").CombinedOutput()
+		if err != nil || !strings.Contains(string(out), "nftcni-coexist") {
+			t.Errorf("%s rules lost: %v\n%s", c, err, out)
+		}
+	}
+}
+
+// addIptables adds a nat rule with each iptables variant present.
+func addIptables(t *testing.T, n *testnet.NS) []string {
+	t.Helper()
+	var used []string
+	for _, c := range []string{"iptables-nft", "iptables-legacy"} {
+		if _, err := exec.LookPath(c); err != nil {
+			t.Logf("%s not installed; skipping that part", c)
+			continue
+		}
+		out, err := exec.Command("ip", "netns", "exec", n.Name, c, "-t", "nat", "-A", "OUTPUT", "-p", "tcp", "--dport", "9999",
+			"-m", "comment", "--comment", "nftcni-coexist", "-j", "RETURN").CombinedOutput()
+		if err != nil {
+			t.Fatalf("%s: %v\n%s", c, err, out)
+		}
+		used = append(used, c)
+	}
+	return used
+}
+
+func listAll(t *testing.T, n *testnet.NS) string {
+	out, err := exec.Command("ip", "netns", "exec", n.Name, "nft", "list", "ruleset").CombinedOutput()
+	if err != nil {
+		t.Fatalf("nft list ruleset: %v\n%s", err, out)
+	}
+	return counters.ReplaceAllString(string(out), "counter")
+}
+
+// TestConcurrentAppliesIntoManyNetns applies rulesets into 50 netns at once
+// (run with -race to check that applies share no mutable state).
+func TestConcurrentAppliesIntoManyNetns(t *testing.T) {
+	testnet.RequireRoot(t)
+	var nss []*testnet.NS
+	for i := 0; i < 50; i++ {
+		nss = append(nss, testnet.NewNS(t, "nftconc"))
+	}
+	var wg sync.WaitGroup
+	errs := make(chan error, len(nss))
+	for i, n := range nss {
+		wg.Add(1)
+		go func(i int, n *testnet.NS) {
+			defer wg.Done()
+			rs := Ambient(AmbientSpec{DNSCapture: i%2 == 0, IPv6: true})
+			if i%3 == 0 {
+				rs = Sidecar(SidecarSpec{Mode: ModeTProxy, InboundAll: true, OutboundAll: true, ProxyUID: 1337, ProxyGID: 1337, IPv6: true})
+			}
+			if err := Apply(n.FD, rs); err != nil {
+				errs <- fmt.Errorf("netns %d: %w", i, err)
+				return
+			}
+			if err := Verify(n.FD, rs); err != nil {
+				errs <- fmt.Errorf("netns %d: %w", i, err)
+			}
+		}(i, n)
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+}

@@ -1,0 +1,261 @@
+package nft
+
+import (
+	"net/netip"
+
+	"github.com/google/nftables"
+)
+
+// Sidecar (Envoy) ports and marks, as istio-iptables/istio-nftables use them.
+const (
+	SidecarOutboundPort uint16 = 15001
+	SidecarInboundPort  uint16 = 15006
+	// TProxyMark is put on intercepted inbound packets (1337); TProxyLocalMark
+	// (1338) marks the proxy's own loopback traffic to the app.
+	TProxyMark       uint32 = 1337
+	TProxyLocalMark  uint32 = 1338
+	TProxyRouteTable        = 133
+)
+
+// Interception modes.
+const (
+	ModeRedirect = "REDIRECT"
+	ModeTProxy   = "TPROXY"
+)
+
+// SidecarSpec is Istio's sidecar capture configuration, usually filled from
+// pod annotations by ParseSidecar.
+type SidecarSpec struct {
+	Mode string // ModeRedirect or ModeTProxy
+
+	// Inbound: all TCP ports but the excluded ones (InboundAll), or only
+	// InboundPorts. Neither: no inbound capture.
+	InboundAll          bool
+	InboundPorts        []uint16
+	ExcludeInboundPorts []uint16
+
+	// Outbound: all destinations (OutboundAll) or only IncludeOutboundCIDRs,
+	// minus ExcludeOutboundCIDRs and ExcludeOutboundPorts; OutboundPorts are
+	// captured whatever the destination.
+	OutboundAll          bool
+	IncludeOutboundCIDRs []netip.Prefix
+	ExcludeOutboundCIDRs []netip.Prefix
+	OutboundPorts        []uint16
+	ExcludeOutboundPorts []uint16
+
+	ExcludeInterfaces []string
+	// RerouteInterfaces (istio.io/reroute-virtual-interfaces): traffic that
+	// arrives on them is outbound traffic of the pod.
+	RerouteInterfaces []string
+
+	ProxyUID, ProxyGID uint32
+	DNSCapture         bool // ISTIO_META_DNS_CAPTURE on the proxy
+	DropInvalid        bool // INVALID_DROP on the proxy
+	IPv6               bool
+}
+
+// sidecar chain names (Istio's, without the istio- prefix, in one table).
+const (
+	scInbound    = "inbound"
+	scRedirect   = "redirect"
+	scInRedirect = "in-redirect"
+	scOutput     = "output"
+	scOutputDNS  = "output-dns"
+	scMangleIn   = "mangle-inbound"
+	scDivert     = "divert"
+	scTProxy     = "tproxy"
+	scDrop       = "drop"
+	scRawDNS     = "raw-output-dns"
+	scRawIn      = "raw-inbound"
+)
+
+var (
+	inboundPassthrough4 = netip.MustParsePrefix("127.0.0.6/32")
+	inboundPassthrough6 = netip.MustParsePrefix("::6/128")
+)
+
+// Sidecar builds Istio's sidecar capture ruleset (§3.3 of the reference).
+func Sidecar(s SidecarSpec) *Ruleset {
+	t := &Table{Name: PodTable}
+	tproxy := s.Mode == ModeTProxy
+	t.base(natPre, nftables.ChainTypeNAT, nftables.ChainHookPrerouting, prioNAT)
+	t.base(natOut, nftables.ChainTypeNAT, nftables.ChainHookOutput, prioNAT)
+	if tproxy || s.DropInvalid {
+		t.base(manglePre, nftables.ChainTypeFilter, nftables.ChainHookPrerouting, prioMangle)
+	}
+	if tproxy {
+		t.base(mangleOut, nftables.ChainTypeRoute, nftables.ChainHookOutput, prioMangle)
+	}
+	if s.DNSCapture {
+		t.base(rawPre, nftables.ChainTypeFilter, nftables.ChainHookPrerouting, prioRaw)
+		t.base(rawOut, nftables.ChainTypeFilter, nftables.ChainHookOutput, prioRaw)
+	}
+	fams := []bool{true}
+	if s.IPv6 {
+		fams = append(fams, false)
+	}
+	lo := func(v4 bool) netip.Prefix {
+		if v4 {
+			return loopback4
+		}
+		return loopback6
+	}
+	passthrough := func(v4 bool) netip.Prefix {
+		if v4 {
+			return inboundPassthrough4
+		}
+		return inboundPassthrough6
+	}
+	wanted := func(p netip.Prefix) bool { return p.Addr().Is4() || s.IPv6 }
+
+	for _, x := range s.ExcludeInterfaces {
+		t.add(natPre, IfName(true, Eq, x), Counter(), Return())
+		t.add(natOut, IfName(false, Eq, x), Counter(), Return())
+		if tproxy {
+			t.add(manglePre, IfName(true, Eq, x), Counter(), Return())
+			t.add(mangleOut, IfName(false, Eq, x), Counter(), Return())
+		}
+	}
+	for _, v := range s.RerouteInterfaces {
+		if s.OutboundAll {
+			t.add(natPre, IfName(true, Eq, v), Counter(), Jump(scRedirect))
+		} else {
+			for _, c := range s.IncludeOutboundCIDRs {
+				if wanted(c) {
+					t.add(natPre, IfName(true, Eq, v), Addr(false, Eq, c), Counter(), Jump(scRedirect))
+				}
+			}
+		}
+		t.add(natPre, IfName(true, Eq, v), Counter(), Return())
+	}
+	if s.DropInvalid {
+		t.add(manglePre, L4(TCP), CtState("invalid"), Counter(), Jump(scDrop))
+		t.add(scDrop, Counter(), Drop())
+	}
+
+	// Inbound.
+	captureIn := s.InboundAll || len(s.InboundPorts) > 0
+	switch {
+	case captureIn && !tproxy:
+		t.add(natPre, L4(TCP), Counter(), Jump(scInbound))
+		t.add(scInbound, DPort(TCP, Eq, HBONEPort), Counter(), Return())
+		if s.InboundAll {
+			for _, p := range s.ExcludeInboundPorts {
+				t.add(scInbound, DPort(TCP, Eq, p), Counter(), Return())
+			}
+			t.add(scInbound, L4(TCP), Counter(), Jump(scInRedirect))
+		} else {
+			for _, p := range s.InboundPorts {
+				t.add(scInbound, DPort(TCP, Eq, p), Counter(), Jump(scInRedirect))
+			}
+		}
+	case captureIn && tproxy:
+		t.add(scDivert, Counter(), SetMark(TProxyMark))
+		t.add(scDivert, Counter(), Accept())
+		for _, v4 := range fams {
+			t.add(scTProxy, L4(TCP), Addr(false, Neq, lo(v4)), TProxy(v4, SidecarInboundPort), SetMark(TProxyMark), Counter(), Accept())
+		}
+		t.add(manglePre, L4(TCP), Counter(), Jump(scMangleIn))
+		t.add(scMangleIn, L4(TCP), Mark(Eq, 0, TProxyMark), Counter(), Return())
+		for _, v4 := range fams {
+			t.add(scMangleIn, IfName(true, Eq, "lo"), L4(TCP), Addr(true, Eq, passthrough(v4)), Counter(), Return())
+		}
+		t.add(scMangleIn, IfName(true, Eq, "lo"), L4(TCP), Mark(Neq, 0, TProxyLocalMark), Counter(), Return())
+		t.add(scMangleIn, DPort(TCP, Eq, HBONEPort), Counter(), Return())
+		if s.InboundAll {
+			for _, p := range s.ExcludeInboundPorts {
+				t.add(scMangleIn, DPort(TCP, Eq, p), Counter(), Return())
+			}
+			t.add(scMangleIn, L4(TCP), CtState("established", "related"), Counter(), Jump(scDivert))
+			t.add(scMangleIn, L4(TCP), Counter(), Jump(scTProxy))
+		} else {
+			for _, p := range s.InboundPorts {
+				t.add(scMangleIn, DPort(TCP, Eq, p), CtState("established", "related"), Counter(), Jump(scDivert))
+				t.add(scMangleIn, DPort(TCP, Eq, p), Counter(), Jump(scTProxy))
+			}
+		}
+	}
+	if tproxy {
+		t.add(manglePre, L4(TCP), Mark(Eq, 0, TProxyMark), Counter(), SetCtMarkFromMark())
+		t.add(mangleOut, IfName(false, Eq, "lo"), L4(TCP), Mark(Eq, 0, TProxyMark), Counter(), Return())
+		for _, id := range []Term{SkUID(Eq, s.ProxyUID), SkGID(Eq, s.ProxyGID)} {
+			for _, v4 := range fams {
+				t.add(mangleOut, IfName(false, Eq, "lo"), L4(TCP), Addr(false, Neq, lo(v4)), id, Counter(), SetMark(TProxyLocalMark))
+			}
+		}
+		t.add(mangleOut, L4(TCP), CtMark(Eq, 0, TProxyMark), Counter(), SetMarkFromCt())
+	}
+	t.add(scRedirect, L4(TCP), Counter(), Redirect(SidecarOutboundPort))
+	t.add(scInRedirect, L4(TCP), Counter(), Redirect(SidecarInboundPort))
+
+	// Outbound.
+	t.add(natOut, Counter(), Jump(scOutput))
+	for _, p := range s.ExcludeOutboundPorts {
+		t.add(scOutput, DPort(TCP, Eq, p), Counter(), Return())
+		t.add(scOutput, DPort(UDP, Eq, p), Counter(), Return())
+	}
+	for _, v4 := range fams { // the proxy's inbound passthrough source
+		t.add(scOutput, IfName(false, Eq, "lo"), Addr(true, Eq, passthrough(v4)), Counter(), Return())
+	}
+	owners := []struct {
+		eq, neq Term
+	}{{SkUID(Eq, s.ProxyUID), SkUID(Neq, s.ProxyUID)}, {SkGID(Eq, s.ProxyGID), SkGID(Neq, s.ProxyGID)}}
+	for _, o := range owners {
+		// The proxy calling its own pod over lo is inbound traffic: send it
+		// to the inbound listener; other lo traffic of the proxy is left alone.
+		for _, v4 := range fams {
+			r := []Term{IfName(false, Eq, "lo"), Addr(false, Neq, lo(v4)), DPort(TCP, Neq, HBONEPort)}
+			if s.DNSCapture {
+				r = append(r, DPort(TCP, Neq, 53))
+			}
+			t.add(scOutput, append(r, o.eq, Counter(), Jump(scInRedirect))...)
+		}
+		if s.DNSCapture {
+			t.add(scOutput, IfName(false, Eq, "lo"), DPort(TCP, Neq, 53), o.neq, Counter(), Return())
+		} else {
+			t.add(scOutput, IfName(false, Eq, "lo"), o.neq, Counter(), Return())
+		}
+		t.add(scOutput, o.eq, Counter(), Return())
+	}
+	for _, v4 := range fams {
+		t.add(scOutput, Addr(false, Eq, lo(v4)), Counter(), Return())
+	}
+	if s.DNSCapture {
+		t.add(scOutput, Counter(), Jump(scOutputDNS))
+		t.add(scOutputDNS, DPort(TCP, Eq, 53), Counter(), Redirect(DNSCapturePort))
+		t.add(scOutputDNS, DPort(UDP, Eq, 53), Counter(), Redirect(DNSCapturePort))
+		t.add(rawOut, Counter(), Jump(scRawDNS))
+		t.add(scRawDNS, DPort(UDP, Eq, 53), SkUID(Eq, s.ProxyUID), Counter(), SetCtZone(1))
+		t.add(scRawDNS, SPort(UDP, Eq, DNSCapturePort), SkUID(Eq, s.ProxyUID), Counter(), SetCtZone(2))
+		t.add(scRawDNS, DPort(UDP, Eq, 53), SkGID(Eq, s.ProxyGID), Counter(), SetCtZone(1))
+		t.add(scRawDNS, SPort(UDP, Eq, DNSCapturePort), SkGID(Eq, s.ProxyGID), Counter(), SetCtZone(2))
+		t.add(scRawDNS, DPort(UDP, Eq, 53), Counter(), SetCtZone(2))
+		t.add(rawPre, Counter(), Jump(scRawIn))
+		t.add(scRawIn, SPort(UDP, Eq, 53), Counter(), SetCtZone(1))
+	}
+	for _, c := range s.ExcludeOutboundCIDRs {
+		if wanted(c) {
+			t.add(scOutput, Addr(false, Eq, c), Counter(), Return())
+		}
+	}
+	for _, p := range s.OutboundPorts {
+		t.add(scOutput, DPort(TCP, Eq, p), Counter(), Jump(scRedirect))
+	}
+	if s.OutboundAll {
+		t.add(scOutput, Counter(), Jump(scRedirect))
+	} else {
+		for _, c := range s.IncludeOutboundCIDRs {
+			if wanted(c) {
+				t.add(scOutput, Addr(false, Eq, c), Counter(), Jump(scRedirect))
+			}
+		}
+	}
+
+	rs := &Ruleset{Tables: []*Table{t}}
+	if tproxy {
+		for _, v4 := range fams {
+			rs.Routes = append(rs.Routes, Route{Mark: TProxyMark, Mask: 0xffffffff, Table: TProxyRouteTable, Priority: RulePriority, V6: !v4})
+		}
+	}
+	return rs
+}
