@@ -20,7 +20,7 @@ test: build
 	$(GO) test -count=1 ./...
 
 bench: build
-	$(GO) test -run '^$$' -bench . -benchmem -count=1 ./...
+	./hack/bench.sh
 
 demo: build
 	./hack/demo.sh

@@ -17,11 +17,14 @@ const ruleCommentType userdata.Type = 0
 
 // conn opens a netlink connection in the netns behind fd (0: the caller's
 // own netns). The library dials inside that netns itself; no setns here.
+// The connection is lasting: one socket serves the list and the batch
+// (a transient one would dial, which means entering the netns, per call).
+// Callers CloseLasting it.
 func conn(fd int) (*nftables.Conn, error) {
 	if fd == 0 {
-		return nftables.New()
+		return nftables.New(nftables.AsLasting())
 	}
-	return nftables.New(nftables.WithNetNSFd(fd))
+	return nftables.New(nftables.WithNetNSFd(fd), nftables.AsLasting())
 }
 
 // ourTables lists which of the named inet tables exist.
@@ -57,6 +60,7 @@ func Apply(fd int, rs *Ruleset) error {
 	if err != nil {
 		return err
 	}
+	defer c.CloseLasting()
 	have, err := ourTables(c, rs.names())
 	if err != nil {
 		return err
@@ -98,6 +102,7 @@ func Delete(fd int, rs *Ruleset) error {
 	if err != nil {
 		return err
 	}
+	defer c.CloseLasting()
 	for attempt := 0; ; attempt++ {
 		have, err := ourTables(c, rs.names())
 		if err != nil {

@@ -77,6 +77,7 @@ func AddProbeIPs(fd int, uid string, ips []netip.Addr) error {
 	if err != nil {
 		return err
 	}
+	defer c.CloseLasting()
 	for _, ip := range ips {
 		ip = ip.Unmap()
 		s := probeSet(ip)
@@ -109,6 +110,7 @@ func RemoveProbeIPs(fd int, uid string, ips []netip.Addr) error {
 	if err != nil {
 		return err
 	}
+	defer c.CloseLasting()
 	n := 0
 	for _, ip := range ips {
 		ip = ip.Unmap()

@@ -61,6 +61,18 @@ func TestApplyMatchesGoldenInNetns(t *testing.T) {
 			if got := nftList(t, n, table); got != want {
 				t.Fatalf("after replace nft lists:\n%s", got)
 			}
+			for _, fam := range []string{"-4", "-6"} {
+				out, _ := exec.Command("ip", "-n", n.Name, fam, "rule").CombinedOutput()
+				want := 0
+				for _, r := range v.rs.Routes {
+					if r.V6 == (fam == "-6") {
+						want++
+					}
+				}
+				if got := strings.Count(string(out), "fwmark"); got != want {
+					t.Errorf("ip %s rule: %d fwmark rules after two applies, want %d:\n%s", fam, got, want, out)
+				}
+			}
 			if err := Delete(n.FD, v.rs); err != nil {
 				t.Fatal(err)
 			}

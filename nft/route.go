@@ -60,12 +60,9 @@ func applyRoutes(fd int, routes []Route) error {
 		if err := h.RouteReplace(r.route(lo.Attrs().Index)); err != nil {
 			return fmt.Errorf("local default route in table %d: %w", r.Table, err)
 		}
-		if ok, err := hasRule(h, r); err != nil {
-			return err
-		} else if !ok {
-			if err := h.RuleAdd(r.rule()); err != nil && !errors.Is(err, unix.EEXIST) {
-				return fmt.Errorf("ip rule fwmark %#x/%#x lookup %d: %w", r.Mark, r.Mask, r.Table, err)
-			}
+		// RuleAdd asks for an exclusive create: an identical rule is EEXIST.
+		if err := h.RuleAdd(r.rule()); err != nil && !errors.Is(err, unix.EEXIST) {
+			return fmt.Errorf("ip rule fwmark %#x/%#x lookup %d: %w", r.Mark, r.Mask, r.Table, err)
 		}
 	}
 	return nil

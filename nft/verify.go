@@ -28,6 +28,7 @@ func Verify(fd int, rs *Ruleset) error {
 	if err != nil {
 		return err
 	}
+	defer c.CloseLasting()
 	have, err := ourTables(c, rs.names())
 	if err != nil {
 		return err

@@ -58,6 +58,12 @@ func NewNS(t testing.TB, prefix string) *NS {
 		_ = exec.Command("ip", "netns", "del", name).Run()
 	})
 	IP(t, "-n", name, "link", "set", "lo", "up")
+	// No duplicate address detection on interfaces made later: a tentative
+	// link-local address silently delays the first IPv6 packets by seconds.
+	if out, err := exec.Command("ip", "netns", "exec", name, "sysctl", "-qw",
+		"net.ipv6.conf.default.accept_dad=0", "net.ipv6.conf.all.accept_dad=0").CombinedOutput(); err != nil {
+		t.Fatalf("sysctl in %s: %v\n%s", name, err, out)
+	}
 	return n
 }
 
