@@ -36,6 +36,22 @@ var (
 	loopback6   = netip.MustParsePrefix("::1/128")
 )
 
+// families lists the address families rules are made for: IPv4 (true),
+// then IPv6 (false) when enabled.
+func families(ipv6 bool) []bool {
+	if ipv6 {
+		return []bool{true, false}
+	}
+	return []bool{true}
+}
+
+func loopback(v4 bool) netip.Prefix {
+	if v4 {
+		return loopback4
+	}
+	return loopback6
+}
+
 // AmbientSpec is what decides a pod's ambient ruleset.
 type AmbientSpec struct {
 	// DNSCapture redirects DNS (UDP and TCP port 53) to ztunnel's 15053.
@@ -76,21 +92,12 @@ func Ambient(s AmbientSpec) *Ruleset {
 		t.base(rawPre, nftables.ChainTypeFilter, nftables.ChainHookPrerouting, prioRaw)
 		t.base(rawOut, nftables.ChainTypeFilter, nftables.ChainHookOutput, prioRaw)
 	}
-	fams := []bool{true}
-	if s.IPv6 {
-		fams = append(fams, false)
-	}
+	fams := families(s.IPv6)
 	snat := func(v4 bool) netip.Prefix {
 		if v4 {
 			return netip.PrefixFrom(ProbeSNATv4, 32)
 		}
 		return netip.PrefixFrom(ProbeSNATv6, 128)
-	}
-	lo := func(v4 bool) netip.Prefix {
-		if v4 {
-			return loopback4
-		}
-		return loopback6
 	}
 	notZtunnel := Mark(Neq, MarkMask, ZtunnelMark)
 
@@ -103,7 +110,7 @@ func Ambient(s AmbientSpec) *Ruleset {
 			t.add(natPre, L4(TCP), Addr(true, Eq, snat(v4)), Counter(), Accept())
 		}
 		for _, v4 := range fams { // everything else but HBONE and ztunnel's own packets
-			t.add(natPre, Addr(false, Neq, lo(v4)), DPort(TCP, Neq, HBONEPort), notZtunnel, Counter(), Redirect(ZtunnelInboundPort))
+			t.add(natPre, Addr(false, Neq, loopback(v4)), DPort(TCP, Neq, HBONEPort), notZtunnel, Counter(), Redirect(ZtunnelInboundPort))
 		}
 	}
 
@@ -114,16 +121,16 @@ func Ambient(s AmbientSpec) *Ruleset {
 	if s.DNSCapture {
 		t.add(natOut, IfName(false, Neq, "lo"), notZtunnel, DPort(UDP, Eq, 53), Counter(), Redirect(DNSCapturePort))
 		for _, v4 := range fams {
-			t.add(natOut, Addr(false, Neq, lo(v4)), DPort(TCP, Eq, 53), notZtunnel, Counter(), Redirect(DNSCapturePort))
+			t.add(natOut, Addr(false, Neq, loopback(v4)), DPort(TCP, Eq, 53), notZtunnel, Counter(), Redirect(DNSCapturePort))
 		}
 	}
 	// Replies on connections ztunnel opened into the pod go back as they are.
 	t.add(natOut, L4(TCP), Mark(Eq, MarkMask, ConnMark), Counter(), Accept())
 	for _, v4 := range fams { // the app talking to its own pod IP over lo
-		t.add(natOut, IfName(false, Eq, "lo"), Addr(false, Neq, lo(v4)), Counter(), Accept())
+		t.add(natOut, IfName(false, Eq, "lo"), Addr(false, Neq, loopback(v4)), Counter(), Accept())
 	}
 	for _, v4 := range fams {
-		t.add(natOut, L4(TCP), Addr(false, Neq, lo(v4)), notZtunnel, Counter(), Redirect(ZtunnelOutboundPort))
+		t.add(natOut, L4(TCP), Addr(false, Neq, loopback(v4)), notZtunnel, Counter(), Redirect(ZtunnelOutboundPort))
 	}
 
 	// Connection marks: remember that ztunnel opened a connection, and put

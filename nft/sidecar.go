@@ -90,16 +90,7 @@ func Sidecar(s SidecarSpec) *Ruleset {
 		t.base(rawPre, nftables.ChainTypeFilter, nftables.ChainHookPrerouting, prioRaw)
 		t.base(rawOut, nftables.ChainTypeFilter, nftables.ChainHookOutput, prioRaw)
 	}
-	fams := []bool{true}
-	if s.IPv6 {
-		fams = append(fams, false)
-	}
-	lo := func(v4 bool) netip.Prefix {
-		if v4 {
-			return loopback4
-		}
-		return loopback6
-	}
+	fams := families(s.IPv6)
 	passthrough := func(v4 bool) netip.Prefix {
 		if v4 {
 			return inboundPassthrough4
@@ -153,7 +144,7 @@ func Sidecar(s SidecarSpec) *Ruleset {
 		t.add(scDivert, Counter(), SetMark(TProxyMark))
 		t.add(scDivert, Counter(), Accept())
 		for _, v4 := range fams {
-			t.add(scTProxy, L4(TCP), Addr(false, Neq, lo(v4)), TProxy(v4, SidecarInboundPort), SetMark(TProxyMark), Counter(), Accept())
+			t.add(scTProxy, L4(TCP), Addr(false, Neq, loopback(v4)), TProxy(v4, SidecarInboundPort), SetMark(TProxyMark), Counter(), Accept())
 		}
 		t.add(manglePre, L4(TCP), Counter(), Jump(scMangleIn))
 		t.add(scMangleIn, L4(TCP), Mark(Eq, 0, TProxyMark), Counter(), Return())
@@ -180,7 +171,7 @@ func Sidecar(s SidecarSpec) *Ruleset {
 		t.add(mangleOut, IfName(false, Eq, "lo"), L4(TCP), Mark(Eq, 0, TProxyMark), Counter(), Return())
 		for _, id := range []Term{SkUID(Eq, s.ProxyUID), SkGID(Eq, s.ProxyGID)} {
 			for _, v4 := range fams {
-				t.add(mangleOut, IfName(false, Eq, "lo"), L4(TCP), Addr(false, Neq, lo(v4)), id, Counter(), SetMark(TProxyLocalMark))
+				t.add(mangleOut, IfName(false, Eq, "lo"), L4(TCP), Addr(false, Neq, loopback(v4)), id, Counter(), SetMark(TProxyLocalMark))
 			}
 		}
 		t.add(mangleOut, L4(TCP), CtMark(Eq, 0, TProxyMark), Counter(), SetMarkFromCt())
@@ -204,7 +195,7 @@ func Sidecar(s SidecarSpec) *Ruleset {
 		// The proxy calling its own pod over lo is inbound traffic: send it
 		// to the inbound listener; other lo traffic of the proxy is left alone.
 		for _, v4 := range fams {
-			r := []Term{IfName(false, Eq, "lo"), Addr(false, Neq, lo(v4)), DPort(TCP, Neq, HBONEPort)}
+			r := []Term{IfName(false, Eq, "lo"), Addr(false, Neq, loopback(v4)), DPort(TCP, Neq, HBONEPort)}
 			if s.DNSCapture {
 				r = append(r, DPort(TCP, Neq, 53))
 			}
@@ -218,7 +209,7 @@ func Sidecar(s SidecarSpec) *Ruleset {
 		t.add(scOutput, o.eq, Counter(), Return())
 	}
 	for _, v4 := range fams {
-		t.add(scOutput, Addr(false, Eq, lo(v4)), Counter(), Return())
+		t.add(scOutput, Addr(false, Eq, loopback(v4)), Counter(), Return())
 	}
 	if s.DNSCapture {
 		t.add(scOutput, Counter(), Jump(scOutputDNS))

@@ -278,13 +278,19 @@ func (in *Installer) primary(res *Result) (*conflist.Config, error) {
 	return nil, fmt.Errorf("%w: pinned file %s not found in %s", conflist.ErrNoConfig, pinned, in.cfg.ConfDir)
 }
 
-func (in *Installer) ensureChained(res *Result) error {
+// chainablePrimary finds the primary config and checks we can chain into it.
+func (in *Installer) chainablePrimary(res *Result) (*conflist.Config, error) {
 	c, err := in.primary(res)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	res.Primary = c.Path
-	if err := conflist.CheckChainable(c); err != nil {
+	return c, conflist.CheckChainable(c)
+}
+
+func (in *Installer) ensureChained(res *Result) error {
+	c, err := in.chainablePrimary(res)
+	if err != nil {
 		return err
 	}
 	if c.Kind == conflist.Single {
@@ -334,12 +340,8 @@ func (in *Installer) convertSingle(c *conflist.Config, res *Result) error {
 }
 
 func (in *Installer) ensureOwned(res *Result) error {
-	c, err := in.primary(res)
+	c, err := in.chainablePrimary(res)
 	if err != nil {
-		return err
-	}
-	res.Primary = c.Path
-	if err := conflist.CheckChainable(c); err != nil {
 		return err
 	}
 	var out []byte
@@ -383,12 +385,8 @@ func (in *Installer) ensureStandalone(res *Result) error {
 }
 
 func (in *Installer) ensureDropIn(res *Result) error {
-	c, err := in.primary(res)
+	c, err := in.chainablePrimary(res)
 	if err != nil {
-		return err
-	}
-	res.Primary = c.Path
-	if err := conflist.CheckChainable(c); err != nil {
 		return err
 	}
 	if gjson.GetBytes(c.Data, "loadOnlyInlinedPlugins").Bool() {

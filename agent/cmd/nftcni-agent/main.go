@@ -105,20 +105,31 @@ func newInstaller(c *common, log *slog.Logger, needBinary bool) (*install.Instal
 	return install.New(cfg)
 }
 
-func installCmd(ctx context.Context, args []string) error {
-	var c common
-	var once bool
-	f := newFlagSet("install")
+// setup parses a command's flags (the common ones plus extra) and builds
+// the logger and the installer.
+func setup(name string, args []string, needBinary bool, extra func(*flagSet)) (*common, *slog.Logger, *install.Installer, error) {
+	c := &common{}
+	f := newFlagSet(name)
 	c.register(f)
-	f.boolean(&once, "once", "INSTALL_ONCE", false, "install once and exit instead of watching")
+	if extra != nil {
+		extra(f)
+	}
 	if err := f.parse(args); err != nil {
-		return err
+		return nil, nil, nil, err
 	}
 	log, err := c.logger(os.Stderr)
 	if err != nil {
-		return err
+		return nil, nil, nil, err
 	}
-	in, err := newInstaller(&c, log, true)
+	in, err := newInstaller(c, log, needBinary)
+	return c, log, in, err
+}
+
+func installCmd(ctx context.Context, args []string) error {
+	var once bool
+	c, log, in, err := setup("install", args, true, func(f *flagSet) {
+		f.boolean(&once, "once", "INSTALL_ONCE", false, "install once and exit instead of watching")
+	})
 	if err != nil {
 		return err
 	}
@@ -140,17 +151,7 @@ func installCmd(ctx context.Context, args []string) error {
 }
 
 func uninstallCmd(args []string) error {
-	var c common
-	f := newFlagSet("uninstall")
-	c.register(f)
-	if err := f.parse(args); err != nil {
-		return err
-	}
-	log, err := c.logger(os.Stderr)
-	if err != nil {
-		return err
-	}
-	in, err := newInstaller(&c, log, false)
+	_, _, in, err := setup("uninstall", args, false, nil)
 	if err != nil {
 		return err
 	}
@@ -158,26 +159,17 @@ func uninstallCmd(args []string) error {
 }
 
 func runCmd(ctx context.Context, args []string) error {
-	var c common
 	var healthAddr, monitoringPort, onExit string
-	f := newFlagSet("run")
-	c.register(f)
-	f.str(&healthAddr, "health-addr", "HEALTH_ADDR", ":8000", "address for /healthz and /readyz")
-	f.str(&monitoringPort, "monitoring-port", "MONITORING_PORT", "15014", "port for Prometheus /metrics; 0 or less disables it")
-	f.str(&onExit, "on-exit", "ON_EXIT", "keep", "what to do with the installed plugin on shutdown: keep (restart or upgrade) | uninstall")
-	if err := f.parse(args); err != nil {
+	c, log, in, err := setup("run", args, true, func(f *flagSet) {
+		f.str(&healthAddr, "health-addr", "HEALTH_ADDR", ":8000", "address for /healthz and /readyz")
+		f.str(&monitoringPort, "monitoring-port", "MONITORING_PORT", "15014", "port for Prometheus /metrics; 0 or less disables it")
+		f.str(&onExit, "on-exit", "ON_EXIT", "keep", "what to do with the installed plugin on shutdown: keep (restart or upgrade) | uninstall")
+	})
+	if err != nil {
 		return err
 	}
 	if onExit != "keep" && onExit != "uninstall" {
 		return fmt.Errorf("--on-exit %q: want keep or uninstall", onExit)
-	}
-	log, err := c.logger(os.Stderr)
-	if err != nil {
-		return err
-	}
-	in, err := newInstaller(&c, log, true)
-	if err != nil {
-		return err
 	}
 	log.Info("nftcni-agent starting", "version", version, "mode", c.mode, "cni-conf-dir", c.confDir,
 		"cni-bin-dir", c.bins(), "plugin-binary", c.plugin(), "run-dir", c.runDir, "on-exit", onExit)
