@@ -78,9 +78,16 @@ func AddProbeIPs(fd int, uid string, ips []netip.Addr) error {
 		return err
 	}
 	defer c.CloseLasting()
+	have, err := probeSets(c)
+	if err != nil {
+		return err
+	}
 	for _, ip := range ips {
 		ip = ip.Unmap()
 		s := probeSet(ip)
+		if !have[s.Name] && ip.Is6() {
+			continue // IPv6 is off on this node: no v6 set, nothing to probe
+		}
 		cur, err := elementComment(c, s, ip)
 		if err != nil {
 			return err
@@ -111,10 +118,17 @@ func RemoveProbeIPs(fd int, uid string, ips []netip.Addr) error {
 		return err
 	}
 	defer c.CloseLasting()
+	have, err := probeSets(c)
+	if err != nil {
+		return err
+	}
 	n := 0
 	for _, ip := range ips {
 		ip = ip.Unmap()
 		s := probeSet(ip)
+		if !have[s.Name] && ip.Is6() {
+			continue
+		}
 		cur, err := elementComment(c, s, ip)
 		if err != nil {
 			return err
@@ -137,6 +151,19 @@ func RemoveProbeIPs(fd int, uid string, ips []netip.Addr) error {
 }
 
 const noElement = "\x00absent"
+
+// probeSets says which probe sets exist; the host table must.
+func probeSets(c *nftables.Conn) (map[string]bool, error) {
+	sets, err := c.GetSets(&nftables.Table{Name: HostTable, Family: nftables.TableFamilyINet})
+	if err != nil {
+		return nil, fmt.Errorf("listing sets of table inet %s: %w (is the host table in place?)", HostTable, err)
+	}
+	have := map[string]bool{}
+	for _, s := range sets {
+		have[s.Name] = true
+	}
+	return have, nil
+}
 
 // elementComment returns the comment stored with ip, or noElement. A set
 // that does not exist (IPv6 off) holds nothing.

@@ -7,7 +7,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nftcni/nftcni/internal/testnet"
+	"github.com/nftcni/nftcni/integration/testnet"
 )
 
 const wait = 2 * time.Second
@@ -221,6 +221,20 @@ func TestHostProbeSNAT(t *testing.T) {
 		t.Fatal(err)
 	}
 	check(p.PodIP4, p.NodeIP4, "removed v4")
+	// A node without IPv6 has no v6 set: a pod's v6 address is skipped, not an error.
+	v4only := testnet.NewNS(t, "nfthost4")
+	if err := Apply(v4only.FD, HostProbe(false, nil)); err != nil {
+		t.Fatal(err)
+	}
+	if err := AddProbeIPs(v4only.FD, uid, []netip.Addr{p.PodIP4, p.PodIP6}); err != nil {
+		t.Fatalf("v4-only host: %v", err)
+	}
+	if err := Verify(v4only.FD, HostProbe(false, []Member{{UID: uid, IPs: []netip.Addr{p.PodIP4}}})); err != nil {
+		t.Fatal(err)
+	}
+	if err := RemoveProbeIPs(v4only.FD, uid, []netip.Addr{p.PodIP4, p.PodIP6}); err != nil {
+		t.Fatal(err)
+	}
 	if err := Verify(p.Node.FD, HostProbe(true, nil)); err != nil {
 		t.Fatalf("host table after remove: %v", err)
 	}
