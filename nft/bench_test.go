@@ -117,6 +117,9 @@ func BenchmarkApplyFresh(b *testing.B) {
 		})
 	}
 	run("nftcni-netlink", func(fd int) error { return Apply(fd, rs) })
+	// What entering the netns and exec'ing a binary costs before any rule:
+	// the part of the tools' time that is process start, not netfilter.
+	run("exec-baseline", func(fd int) error { return execIn(fd, "true") })
 	for _, tool := range []struct{ name, bin, file string }{
 		{"nft-f", "nft", nftFile},
 		{"iptables-nft-restore", "iptables-nft-restore", iptFile},
