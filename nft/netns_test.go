@@ -123,6 +123,26 @@ func TestVerifyDetectsDriftAndApplyRepairs(t *testing.T) {
 			}
 		})
 	}
+	t.Run("rule replaced under our comment", func(t *testing.T) {
+		n := testnet.NewNS(t, "nftdrift")
+		if err := Apply(n.FD, rs); err != nil {
+			t.Fatal(err)
+		}
+		// Keep the first rule's tag but change what it does.
+		out, err := exec.Command("ip", "netns", "exec", n.Name, "nft", "-a", "list", "chain", "inet", PodTable, mangleOut).CombinedOutput()
+		if err != nil {
+			t.Fatalf("%v\n%s", err, out)
+		}
+		m := regexp.MustCompile(`comment "(nftcni:[0-9a-f]+)" # handle (\d+)`).FindStringSubmatch(string(out))
+		if m == nil {
+			t.Fatalf("no tagged rule in:\n%s", out)
+		}
+		nftRun(t, n, "replace", "rule", "inet", PodTable, mangleOut, "handle", m[2], "meta", "mark", "0x1", "accept", "comment", `"`+m[1]+`"`)
+		var d *DriftError
+		if err := Verify(n.FD, rs); !errors.As(err, &d) {
+			t.Fatalf("replaced rule not detected: %v", err)
+		}
+	})
 	t.Run("policy route removed", func(t *testing.T) {
 		n := testnet.NewNS(t, "nftdrift")
 		if err := Apply(n.FD, rs); err != nil {

@@ -8,6 +8,7 @@ import (
 	"strings"
 
 	"github.com/google/nftables"
+	"github.com/google/nftables/expr"
 	"github.com/google/nftables/userdata"
 )
 
@@ -86,10 +87,14 @@ func verifyTable(c *nftables.Conn, t *Table, all []*nftables.Chain) ([]string, e
 		var got, want []string
 		for _, r := range rules {
 			tag, _ := userdata.GetString(r.UserData, ruleCommentType)
-			got = append(got, tag)
+			got = append(got, tag+" "+shape(r.Exprs))
 		}
 		for _, r := range ch.Rules {
-			want = append(want, r.Tag())
+			var ex []expr.Any
+			for _, term := range r {
+				ex = append(ex, term.Exprs()...)
+			}
+			want = append(want, r.Tag()+" "+shape(ex))
 		}
 		if !slices.Equal(got, want) {
 			drift = append(drift, fmt.Sprintf("chain %s %s: rules differ (have %d, want %d)", t.Name, ch.Name, len(got), len(want)))
@@ -135,6 +140,32 @@ func verifyTable(c *nftables.Conn, t *Table, all []*nftables.Chain) ([]string, e
 		drift = append(drift, fmt.Sprintf("set %s %s is not ours", t.Name, name))
 	}
 	return drift, nil
+}
+
+// shape describes the part of a rule google/nftables v0.3.0 decodes
+// faithfully: expression kinds, and the operands of loads and compares.
+// tproxy and socket are skipped (the library drops them when reading), and
+// ct is compared by kind only (it reads `ct ... set` back as a load). With
+// the tag this catches a rule replaced under our comment.
+func shape(ex []expr.Any) string {
+	var b strings.Builder
+	for _, e := range ex {
+		switch e := e.(type) {
+		case *expr.TProxy, *expr.Socket:
+			continue
+		case *expr.Meta:
+			fmt.Fprintf(&b, "meta(%d) ", e.Key)
+		case *expr.Payload:
+			fmt.Fprintf(&b, "payload(%d,%d,%d) ", e.Base, e.Offset, e.Len)
+		case *expr.Cmp:
+			fmt.Fprintf(&b, "cmp(%d,%x) ", e.Op, e.Data)
+		case *expr.Verdict:
+			fmt.Fprintf(&b, "verdict(%d,%s) ", e.Kind, e.Chain)
+		default:
+			fmt.Fprintf(&b, "%T ", e)
+		}
+	}
+	return b.String()
 }
 
 func hookDrift(want *Chain, got *nftables.Chain) string {
