@@ -73,109 +73,94 @@ func probeSet(ip netip.Addr) *nftables.Set {
 // touching no other element. An IP still held under another UID (reused
 // after a pod died without cleanup) is taken over by this pod.
 func AddProbeIPs(fd int, uid string, ips []netip.Addr) error {
-	c, err := conn(fd)
-	if err != nil {
-		return err
-	}
-	defer c.CloseLasting()
-	have, err := probeSets(c)
-	if err != nil {
-		return err
-	}
-	for _, ip := range ips {
-		ip = ip.Unmap()
-		s := probeSet(ip)
-		if !have[s.Name] && ip.Is6() {
-			continue // IPv6 is off on this node: no v6 set, nothing to probe
+	return changeProbeIPs(fd, ips, func(c *nftables.Conn, s *nftables.Set, key []byte, owner string, present bool) (bool, error) {
+		if present && owner == uid {
+			return false, nil
 		}
-		cur, err := elementComment(c, s, ip)
-		if err != nil {
-			return err
-		}
-		if cur == uid {
-			continue
-		}
-		if cur != noElement {
-			if err := c.SetDeleteElements(s, []nftables.SetElement{{Key: ip.AsSlice()}}); err != nil {
-				return err
+		if present {
+			if err := c.SetDeleteElements(s, []nftables.SetElement{{Key: key}}); err != nil {
+				return false, err
 			}
 		}
-		if err := c.SetAddElements(s, []nftables.SetElement{{Key: ip.AsSlice(), Comment: uid}}); err != nil {
-			return err
-		}
-	}
-	if err := c.Flush(); err != nil {
-		return fmt.Errorf("adding pod %s IPs %v to the host probe set: %w", uid, ips, err)
-	}
-	return nil
+		return true, c.SetAddElements(s, []nftables.SetElement{{Key: key, Comment: uid}})
+	}, "adding pod "+uid+" IPs to")
 }
 
 // RemoveProbeIPs removes one pod's IPs, but only elements whose comment is
 // this pod's UID: an IP reused by another pod stays enrolled (Istio's rule).
 func RemoveProbeIPs(fd int, uid string, ips []netip.Addr) error {
+	return changeProbeIPs(fd, ips, func(c *nftables.Conn, s *nftables.Set, key []byte, owner string, present bool) (bool, error) {
+		if !present || owner != uid {
+			return false, nil
+		}
+		return true, c.SetDeleteElements(s, []nftables.SetElement{{Key: key}})
+	}, "removing pod "+uid+" IPs from")
+}
+
+// changeProbeIPs reads the probe sets once, lets change queue element
+// updates for each IP (given its current owner UID), and sends them as one
+// batch. IPv6 addresses are skipped on a node without the v6 set.
+func changeProbeIPs(fd int, ips []netip.Addr, change func(c *nftables.Conn, s *nftables.Set, key []byte, owner string, present bool) (bool, error), what string) error {
 	c, err := conn(fd)
 	if err != nil {
 		return err
 	}
 	defer c.CloseLasting()
-	have, err := probeSets(c)
+	owners, err := probeOwners(c)
 	if err != nil {
 		return err
 	}
-	n := 0
+	queued := false
 	for _, ip := range ips {
 		ip = ip.Unmap()
 		s := probeSet(ip)
-		if !have[s.Name] && ip.Is6() {
-			continue
+		setOwners, ok := owners[s.Name]
+		if !ok {
+			continue // IPv6 is off on this node: no v6 set, nothing to probe
 		}
-		cur, err := elementComment(c, s, ip)
+		owner, present := setOwners[ip]
+		q, err := change(c, s, ip.AsSlice(), owner, present)
 		if err != nil {
 			return err
 		}
-		if cur != uid {
-			continue
-		}
-		if err := c.SetDeleteElements(s, []nftables.SetElement{{Key: ip.AsSlice()}}); err != nil {
-			return err
-		}
-		n++
+		queued = queued || q
 	}
-	if n == 0 {
+	if !queued {
 		return nil
 	}
 	if err := c.Flush(); err != nil {
-		return fmt.Errorf("removing pod %s IPs %v from the host probe set: %w", uid, ips, err)
+		return fmt.Errorf("%s the host probe set (%v): %w", what, ips, err)
 	}
 	return nil
 }
 
-const noElement = "\x00absent"
-
-// probeSets says which probe sets exist; the host table must.
-func probeSets(c *nftables.Conn) (map[string]bool, error) {
-	sets, err := c.GetSets(&nftables.Table{Name: HostTable, Family: nftables.TableFamilyINet})
+// probeOwners reads every existing probe set once: set name -> IP -> UID.
+// The host table and its v4 set must exist.
+func probeOwners(c *nftables.Conn) (map[string]map[netip.Addr]string, error) {
+	t := &nftables.Table{Name: HostTable, Family: nftables.TableFamilyINet}
+	sets, err := c.GetSets(t)
 	if err != nil {
 		return nil, fmt.Errorf("listing sets of table inet %s: %w (is the host table in place?)", HostTable, err)
 	}
-	have := map[string]bool{}
+	out := map[string]map[netip.Addr]string{}
 	for _, s := range sets {
-		have[s.Name] = true
-	}
-	return have, nil
-}
-
-// elementComment returns the comment stored with ip, or noElement. A set
-// that does not exist (IPv6 off) holds nothing.
-func elementComment(c *nftables.Conn, s *nftables.Set, ip netip.Addr) (string, error) {
-	els, err := c.GetSetElements(s)
-	if err != nil {
-		return "", fmt.Errorf("reading host probe set %s: %w (is the host table in place?)", s.Name, err)
-	}
-	for _, e := range els {
-		if a, ok := netip.AddrFromSlice(e.Key); ok && a == ip {
-			return e.Comment, nil
+		if s.Name != probeSetV4 && s.Name != probeSetV6 {
+			continue
 		}
+		els, err := c.GetSetElements(s)
+		if err != nil {
+			return nil, fmt.Errorf("reading host probe set %s: %w", s.Name, err)
+		}
+		m := map[netip.Addr]string{}
+		for _, e := range els {
+			if a, ok := netip.AddrFromSlice(e.Key); ok {
+				m[a] = e.Comment
+			}
+		}
+		out[s.Name] = m
 	}
-	return noElement, nil
+	if _, ok := out[probeSetV4]; !ok {
+		return nil, fmt.Errorf("table inet %s has no set %s (is the host table in place?)", HostTable, probeSetV4)
+	}
+	return out, nil
 }

@@ -106,7 +106,28 @@ func NewPair(t testing.TB, subnet int) *Pair {
 	} {
 		IP(t, c...)
 	}
+	// Static neighbours: IPv6 neighbour discovery on a brand-new veth pair
+	// loses the first packets here (a connect then waits a 1 s SYN retry).
+	nodeMAC, podMAC := mac(t, p.Node, p.NodeIfc), mac(t, p.Pod, p.PodIfc)
+	for _, c := range [][]string{
+		{"-n", p.Node.Name, "neigh", "replace", p.PodIP4.String(), "lladdr", podMAC, "dev", p.NodeIfc, "nud", "permanent"},
+		{"-n", p.Node.Name, "neigh", "replace", p.PodIP6.String(), "lladdr", podMAC, "dev", p.NodeIfc, "nud", "permanent"},
+		{"-n", p.Pod.Name, "neigh", "replace", p.NodeIP4.String(), "lladdr", nodeMAC, "dev", p.PodIfc, "nud", "permanent"},
+		{"-n", p.Pod.Name, "neigh", "replace", p.NodeIP6.String(), "lladdr", nodeMAC, "dev", p.PodIfc, "nud", "permanent"},
+	} {
+		IP(t, c...)
+	}
 	return p
+}
+
+func mac(t testing.TB, n *NS, ifc string) string {
+	t.Helper()
+	out, err := exec.Command("ip", "-n", n.Name, "-br", "link", "show", "dev", ifc).CombinedOutput()
+	f := strings.Fields(string(out))
+	if err != nil || len(f) < 3 {
+		t.Fatalf("reading MAC of %s in %s: %v %s", ifc, n.Name, err, out)
+	}
+	return f[2]
 }
 
 // In runs f inside the namespace (sockets made there stay there).
