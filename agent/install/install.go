@@ -301,7 +301,14 @@ func (in *Installer) ensureChained(res *Result) error {
 		return fmt.Errorf("adding nftcni to %s: %w", c.Path, err)
 	}
 	res.Config = c.Path
-	return in.writeIfChanged(c.Path, c.Data, out, c.Path, res)
+	if bytes.Equal(c.Data, out) {
+		return nil
+	}
+	meta, err := conflist.Stat(c.Path) // keep the primary's mode and owner
+	if err != nil {
+		return err
+	}
+	return in.write(c.Path, c.Data, out, &meta, res)
 }
 
 // convertSingle turns X.conf (or X.json) into X.conflist with our entry, then
@@ -422,17 +429,6 @@ func dropInDir(confDir, network string) (string, error) {
 		return "", fmt.Errorf("network name %q cannot name a drop-in directory", network)
 	}
 	return filepath.Join(confDir, network), nil
-}
-
-func (in *Installer) writeIfChanged(path string, cur, out []byte, metaFrom string, res *Result) error {
-	if bytes.Equal(cur, out) {
-		return nil
-	}
-	meta, err := conflist.Stat(metaFrom)
-	if err != nil {
-		return err
-	}
-	return in.write(path, cur, out, &meta, res)
 }
 
 func (in *Installer) write(path string, cur, out []byte, meta *conflist.FileMeta, res *Result) error {
