@@ -7,7 +7,16 @@ VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -s -w -X main.version=$(VERSION)
 export CGO_ENABLED := 0
 
-.PHONY: all build test unit bench demo lint fuzz clean
+.PHONY: all build test unit bench demo lint fuzz clean cni-plugins
+
+# The reference CNI plugins and cnitool, built from the Go module proxy once
+# and cached: the end-to-end tests chain nftcni after them.
+CACHE               ?= $(HOME)/.cache/nftcni
+CNI_PLUGINS_VERSION := v1.10.0
+CNI_VERSION         := v1.3.1
+CNI_BIN             := $(CACHE)/cni-plugins-$(CNI_PLUGINS_VERSION)
+CNI_PKG             := github.com/containernetworking/plugins/plugins
+export NFTCNI_CNI_BIN := $(CNI_BIN)
 
 all: build
 
@@ -16,13 +25,22 @@ build:
 
 # All tests, including the ones that need root and network namespaces (they
 # skip with a message when not root). Fuzz seed corpora run as plain tests.
-test: build
+test: build cni-plugins
 	$(GO) test -count=1 ./...
 
-bench: build
+cni-plugins: $(CNI_BIN)/.complete
+$(CNI_BIN)/.complete:
+	GOBIN=$(CNI_BIN) $(GO) install -trimpath -ldflags '-s -w' \
+	  $(CNI_PKG)/main/bridge@$(CNI_PLUGINS_VERSION) $(CNI_PKG)/main/loopback@$(CNI_PLUGINS_VERSION) \
+	  $(CNI_PKG)/main/ptp@$(CNI_PLUGINS_VERSION) $(CNI_PKG)/ipam/host-local@$(CNI_PLUGINS_VERSION) \
+	  $(CNI_PKG)/meta/portmap@$(CNI_PLUGINS_VERSION) $(CNI_PKG)/meta/tuning@$(CNI_PLUGINS_VERSION)
+	GOBIN=$(CNI_BIN) $(GO) install -trimpath -ldflags '-s -w' github.com/containernetworking/cni/cnitool@$(CNI_VERSION)
+	touch $@
+
+bench: build cni-plugins
 	./hack/bench.sh
 
-demo: build
+demo: build cni-plugins
 	./hack/demo.sh
 
 lint:

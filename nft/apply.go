@@ -160,3 +160,14 @@ func nftRule(t *nftables.Table, c *nftables.Chain, r Rule) *nftables.Rule {
 	}
 	return &nftables.Rule{Table: t, Chain: c, Exprs: ex, UserData: userdata.AppendString(nil, ruleCommentType, r.Tag())}
 }
+
+// PodCleanup names everything a pod ruleset of any kind can leave in a pod
+// netns: our table and the policy routes of both the ambient and the TPROXY
+// sidecar rulesets, v4 and v6. Delete(fd, PodCleanup()) undoes either
+// without knowing which one was applied.
+func PodCleanup() *Ruleset {
+	rs := &Ruleset{Tables: []*Table{{Name: PodTable}}}
+	rs.Routes = append(rs.Routes, Ambient(AmbientSpec{IPv6: true}).Routes...)
+	rs.Routes = append(rs.Routes, Sidecar(SidecarSpec{Mode: ModeTProxy, IPv6: true}).Routes...)
+	return rs
+}

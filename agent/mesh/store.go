@@ -1,0 +1,77 @@
+package mesh
+
+import (
+	"sync"
+
+	corev1 "k8s.io/api/core/v1"
+)
+
+// MemStore is a Store held in memory: what a static pod source loads into,
+// and what unit tests fill directly.
+type MemStore struct {
+	mu   sync.RWMutex
+	pods map[string]*corev1.Pod
+	nss  map[string]*corev1.Namespace
+}
+
+// NewMemStore returns an empty store.
+func NewMemStore() *MemStore {
+	return &MemStore{pods: map[string]*corev1.Pod{}, nss: map[string]*corev1.Namespace{}}
+}
+
+// PutPod adds or replaces a pod.
+func (s *MemStore) PutPod(p *corev1.Pod) {
+	s.mu.Lock()
+	s.pods[p.Namespace+"/"+p.Name] = p
+	s.mu.Unlock()
+}
+
+// DeletePod removes a pod.
+func (s *MemStore) DeletePod(namespace, name string) {
+	s.mu.Lock()
+	delete(s.pods, namespace+"/"+name)
+	s.mu.Unlock()
+}
+
+// PutNamespace adds or replaces a namespace.
+func (s *MemStore) PutNamespace(ns *corev1.Namespace) {
+	s.mu.Lock()
+	s.nss[ns.Name] = ns
+	s.mu.Unlock()
+}
+
+// Pod implements Store.
+func (s *MemStore) Pod(namespace, name string) *corev1.Pod {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return s.pods[namespace+"/"+name]
+}
+
+// Namespace implements Store.
+func (s *MemStore) Namespace(name string) *corev1.Namespace {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return s.nss[name]
+}
+
+// Pods implements Store.
+func (s *MemStore) Pods() []*corev1.Pod {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	out := make([]*corev1.Pod, 0, len(s.pods))
+	for _, p := range s.pods {
+		out = append(out, p)
+	}
+	return out
+}
+
+// Namespaces implements Store.
+func (s *MemStore) Namespaces() []*corev1.Namespace {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	out := make([]*corev1.Namespace, 0, len(s.nss))
+	for _, n := range s.nss {
+		out = append(out, n)
+	}
+	return out
+}

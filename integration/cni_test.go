@@ -1,0 +1,399 @@
+package integration
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/containernetworking/cni/libcni"
+	"github.com/containernetworking/cni/pkg/invoke"
+	"github.com/containernetworking/cni/pkg/types"
+	current "github.com/containernetworking/cni/pkg/types/100"
+	"github.com/containernetworking/plugins/pkg/ns"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	k8stypes "k8s.io/apimachinery/pkg/types"
+
+	"github.com/nftcni/nftcni/agent/enablement"
+	"github.com/nftcni/nftcni/agent/events"
+	"github.com/nftcni/nftcni/agent/mesh"
+	"github.com/nftcni/nftcni/conflist"
+	"github.com/nftcni/nftcni/integration/testnet"
+	"github.com/nftcni/nftcni/nft"
+	"github.com/nftcni/nftcni/plugin/wire"
+	"github.com/nftcni/nftcni/templates"
+)
+
+// referencePlugins is the dir holding the reference CNI plugins that
+// `make cni-plugins` builds from the Go module proxy.
+func referencePlugins(t testing.TB) string {
+	t.Helper()
+	dir := os.Getenv("NFTCNI_CNI_BIN")
+	if dir == "" {
+		home, _ := os.UserHomeDir()
+		dir = filepath.Join(home, ".cache/nftcni/cni-plugins-v1.10.0")
+	}
+	for _, p := range []string{"bridge", "loopback", "ptp", "host-local", "portmap"} {
+		if _, err := os.Stat(filepath.Join(dir, p)); err != nil {
+			t.Fatalf("reference CNI plugin %s not found in %s: run `make cni-plugins` (make test does) or set NFTCNI_CNI_BIN", p, dir)
+		}
+	}
+	return dir
+}
+
+// syncBuffer is a goroutine-safe log sink tests can read.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// cniNode is a throw-away node: its own netns (the primary CNI's bridge
+// lives there), run/data/cache dirs, and an in-process agent (event server
+// over a mesh with an in-memory pod store) that tests start and stop.
+type cniNode struct {
+	t       *testing.T
+	node    *testnet.NS
+	subnet  int
+	run     string
+	data    string
+	cni     *libcni.CNIConfig
+	store   *mesh.MemStore
+	mesh    *mesh.Mesh
+	metrics *events.Metrics
+	log     *syncBuffer
+	stop    func()
+}
+
+const (
+	meshNS  = "mesh"  // labelled istio.io/dataplane-mode=ambient
+	plainNS = "plain" // not labelled
+)
+
+func newCNINode(t *testing.T, subnet int) *cniNode {
+	testnet.RequireRoot(t)
+	root := t.TempDir()
+	n := &cniNode{t: t, node: testnet.NewNS(t, "nftnode"), subnet: subnet,
+		run: filepath.Join(root, "run"), data: filepath.Join(root, "ipam"), log: &syncBuffer{}}
+	n.cni = libcni.NewCNIConfigWithCacheDir([]string{referencePlugins(t), binDir}, filepath.Join(root, "cache"), nil)
+	n.store = mesh.NewMemStore()
+	n.store.PutNamespace(&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: meshNS,
+		Labels: map[string]string{enablement.LabelDataplaneMode: enablement.DataplaneAmbient}}})
+	n.store.PutNamespace(&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: plainNS}})
+	pol, err := enablement.Compile(enablement.DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.mesh = mesh.New(pol, n.store, n.run, slog.New(slog.NewTextHandler(n.log, nil)))
+	n.mesh.LookupRetries = 2
+	t.Cleanup(n.mesh.Close)
+	return n
+}
+
+// startAgent serves the plugin socket until stopAgent or the test's end.
+func (n *cniNode) startAgent() {
+	t := n.t
+	if err := n.mesh.WritePolicy(); err != nil {
+		t.Fatal(err)
+	}
+	l, err := events.Listen(filepath.Join(n.run, wire.SocketName))
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.metrics = events.NewMetrics(nil)
+	srv := events.NewServer(n.mesh, slog.New(slog.NewTextHandler(n.log, nil)), n.metrics)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { _ = srv.Serve(ctx, l); close(done) }()
+	n.stop = func() { cancel(); <-done }
+	t.Cleanup(n.stopAgent)
+}
+
+func (n *cniNode) stopAgent() {
+	if n.stop != nil {
+		n.stop()
+		n.stop = nil
+	}
+}
+
+// pod registers a pod in the agent's store.
+func (n *cniNode) pod(namespace, name string, ann map[string]string) *corev1.Pod {
+	p := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: namespace, Name: name,
+		UID: k8stypes.UID("uid-" + name), Annotations: ann}}
+	n.store.PutPod(p)
+	return p
+}
+
+// entry is our conflist entry as the installer renders it.
+func (n *cniNode) entry(statusRequiresAgent bool) []byte {
+	v := templates.Values{LogLevel: "debug", AgentRunDir: n.run, ExcludeNamespaces: []string{"kube-system"},
+		PodNamespace: "nftcni-system", StatusRequiresAgent: statusRequiresAgent}
+	e, err := templates.PluginEntry(v)
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	return e
+}
+
+// primary is a primary CNI's conflist: "bridge" (loopback + bridge +
+// host-local) or "ptp" (ptp + host-local + portmap on its nftables backend,
+// the shape of Calico- and Flannel-style chains).
+func (n *cniNode) primary(shape, version string) []byte {
+	ipam := fmt.Sprintf(`{"type":"host-local","ranges":[[{"subnet":"10.88.%d.0/24"}]],"routes":[{"dst":"0.0.0.0/0"}],"dataDir":%q}`, n.subnet, n.data)
+	var plugins string
+	switch shape {
+	case "bridge":
+		plugins = fmt.Sprintf(`{"type":"loopback"},{"type":"bridge","bridge":"nftbr%d","isGateway":true,"ipMasq":false,"ipam":%s}`, n.subnet, ipam)
+	case "ptp":
+		plugins = fmt.Sprintf(`{"type":"ptp","ipMasq":false,"ipam":%s},{"type":"portmap","backend":"nftables","capabilities":{"portMappings":true}}`, ipam)
+	default:
+		n.t.Fatalf("unknown shape %s", shape)
+	}
+	return []byte(fmt.Sprintf("{\n  \"cniVersion\": %q,\n  \"name\": \"nftnet%d\",\n  \"plugins\": [%s]\n}\n", version, n.subnet, plugins))
+}
+
+// list parses a conflist; with nftcni, our entry is inserted the way the
+// installer does it.
+func (n *cniNode) list(shape, version string, withNftcni, statusRequiresAgent bool) *libcni.NetworkConfigList {
+	doc := n.primary(shape, version)
+	if withNftcni {
+		var err error
+		if doc, err = conflist.Insert(doc, templates.PluginType, n.entry(statusRequiresAgent)); err != nil {
+			n.t.Fatal(err)
+		}
+	}
+	l, err := libcni.NetworkConfFromBytes(doc)
+	if err != nil {
+		n.t.Fatalf("parsing conflist: %v\n%s", err, doc)
+	}
+	return l
+}
+
+func runtimeConf(pod *testnet.NS, namespace, name string, ann map[string]string) *libcni.RuntimeConf {
+	rt := &libcni.RuntimeConf{ContainerID: "ctr-" + pod.Name, NetNS: pod.Path, IfName: "eth0",
+		Args: [][2]string{{"IgnoreUnknown", "1"}, {"K8S_POD_NAMESPACE", namespace}, {"K8S_POD_NAME", name},
+			{"K8S_POD_UID", "uid-" + name}, {"K8S_POD_INFRA_CONTAINER_ID", "ctr-" + pod.Name}},
+		CapabilityArgs: map[string]any{"portMappings": []map[string]any{{"hostPort": 18080, "containerPort": 8080, "protocol": "tcp"}}},
+	}
+	if ann != nil {
+		rt.CapabilityArgs["io.kubernetes.cri.pod-annotations"] = ann
+	}
+	return rt
+}
+
+// inNode runs a libcni call from the node netns, as the runtime would run
+// on the node: the primary plugins make their host side there.
+func (n *cniNode) inNode(f func() error) error {
+	var err error
+	if nerr := ns.WithNetNSPath(n.node.Path, func(ns.NetNS) error { err = f(); return nil }); nerr != nil {
+		return nerr
+	}
+	return err
+}
+
+func (n *cniNode) add(l *libcni.NetworkConfigList, rt *libcni.RuntimeConf) (types.Result, error) {
+	var r types.Result
+	err := n.inNode(func() error {
+		var err error
+		r, err = n.cni.AddNetworkList(context.Background(), l, rt)
+		return err
+	})
+	return r, err
+}
+
+func (n *cniNode) del(l *libcni.NetworkConfigList, rt *libcni.RuntimeConf) error {
+	return n.inNode(func() error { return n.cni.DelNetworkList(context.Background(), l, rt) })
+}
+
+func (n *cniNode) check(l *libcni.NetworkConfigList, rt *libcni.RuntimeConf) error {
+	return n.inNode(func() error { return n.cni.CheckNetworkList(context.Background(), l, rt) })
+}
+
+// execNftcni runs our plugin alone with prevResult, exactly as libcni runs
+// a chained plugin (config + name + cniVersion + prevResult on stdin).
+func (n *cniNode) execNftcni(command, version string, prev types.Result, rt *libcni.RuntimeConf) ([]byte, error) {
+	conf := map[string]any{}
+	if err := json.Unmarshal(n.entry(false), &conf); err != nil {
+		return nil, err
+	}
+	conf["name"], conf["cniVersion"] = fmt.Sprintf("nftnet%d", n.subnet), version
+	var pb bytes.Buffer
+	if err := prev.PrintTo(&pb); err != nil {
+		return nil, err
+	}
+	conf["prevResult"] = json.RawMessage(pb.Bytes())
+	stdin, _ := json.Marshal(conf)
+	args := &invoke.Args{Command: command, ContainerID: rt.ContainerID, NetNS: rt.NetNS, IfName: rt.IfName,
+		PluginArgs: rt.Args, Path: binDir}
+	var out []byte
+	err := n.inNode(func() error {
+		var err error
+		out, err = (&invoke.RawExec{Stderr: os.Stderr}).ExecPlugin(context.Background(), filepath.Join(binDir, "nftcni"), stdin, args.AsEnv())
+		return err
+	})
+	return out, err
+}
+
+// hasTable says whether our table is in the pod netns, read back with nft.
+func hasTable(t *testing.T, pod *testnet.NS) bool {
+	t.Helper()
+	out, err := exec.Command("ip", "netns", "exec", pod.Name, "nft", "list", "tables").CombinedOutput()
+	if err != nil {
+		t.Fatalf("nft list tables: %v\n%s", err, out)
+	}
+	return strings.Contains(string(out), "table inet "+nft.PodTable)
+}
+
+// gateway is the node side of the pod's network (bridge or ptp host end).
+func gateway(t *testing.T, r types.Result) netip.Addr {
+	t.Helper()
+	res, err := current.NewResultFromResult(r)
+	if err != nil || len(res.IPs) == 0 || res.IPs[0].Gateway == nil {
+		t.Fatalf("result has no gateway: %v %v", err, r)
+	}
+	a, _ := netip.AddrFromSlice(res.IPs[0].Gateway)
+	return a.Unmap()
+}
+
+func TestCNIChainEndToEnd(t *testing.T) {
+	subnet := 40
+	for _, shape := range []string{"bridge", "ptp"} {
+		for _, version := range []string{"0.3.1", "0.4.0", "1.0.0", "1.1.0"} {
+			subnet++
+			t.Run(shape+"/"+version, func(t *testing.T) { testChain(t, subnet, shape, version) })
+		}
+	}
+}
+
+func testChain(t *testing.T, subnet int, shape, version string) {
+	n := newCNINode(t, subnet)
+	n.startAgent()
+	full := n.list(shape, version, true, false)
+	primaryOnly := n.list(shape, version, false, false)
+
+	// Enrolled pod: run the primary chain, then nftcni with its result as
+	// prevResult, as libcni does: nftcni must hand back the same result.
+	enrolled := testnet.NewNS(t, "nftpod")
+	n.pod(meshNS, "app", nil)
+	rt := runtimeConf(enrolled, meshNS, "app", nil)
+	prev, err := n.add(primaryOnly, rt)
+	if err != nil {
+		t.Fatalf("primary ADD: %v", err)
+	}
+	out, err := n.execNftcni("ADD", version, prev, rt)
+	if err != nil {
+		t.Fatalf("nftcni ADD: %v\n%s", err, n.log)
+	}
+	var want bytes.Buffer
+	_ = prev.PrintTo(&want)
+	if !conflist.SameJSON(out, want.Bytes()) {
+		t.Errorf("nftcni changed the result:\n got %s\nwant %s", out, want.Bytes())
+	}
+	if !hasTable(t, enrolled) {
+		t.Fatalf("no table inet %s in the enrolled pod", nft.PodTable)
+	}
+	if got := n.mesh.Members(); len(got) != 1 || got[0].Pod.Name != "app" || got[0].Mode != wire.ModeAmbient {
+		t.Errorf("agent members = %+v, want app/ambient", got)
+	}
+	if !strings.Contains(n.log.String(), "source=plugin") {
+		t.Errorf("plugin logs were not forwarded to the agent:\n%s", n.log)
+	}
+
+	// Its outbound TCP lands on the listener standing in for ztunnel.
+	gw := gateway(t, prev)
+	ztunnel := enrolled.Listen(t, ":15001", false)
+	if _, err := enrolled.Dial(t, "tcp", netip.AddrPortFrom(gw, 80).String(), testnet.DialOpts{}); err != nil {
+		t.Fatalf("dial from the enrolled pod: %v", err)
+	}
+	a, err := testnet.Accept(t, ztunnel, 2*time.Second)
+	if err != nil {
+		t.Fatalf("outbound TCP did not land on 15001: %v", err)
+	}
+	if a.OrigDst != netip.AddrPortFrom(gw, 80) {
+		t.Errorf("original destination %v, want %v", a.OrigDst, netip.AddrPortFrom(gw, 80))
+	}
+
+	// CHECK passes, then fails once someone deletes our table.
+	if version != "0.3.1" { // CHECK exists from 0.4.0
+		if err := n.check(full, rt); err != nil {
+			t.Errorf("CHECK of an intact pod: %v", err)
+		}
+		if out, err := exec.Command("ip", "netns", "exec", enrolled.Name, "nft", "delete", "table", "inet", nft.PodTable).CombinedOutput(); err != nil {
+			t.Fatalf("deleting the table: %v %s", err, out)
+		}
+		err := n.check(full, rt)
+		if err == nil || !strings.Contains(err.Error(), "table") {
+			t.Errorf("CHECK after the table was deleted = %v, want a drift error", err)
+		}
+		if _, err := n.execNftcni("ADD", version, prev, rt); err != nil { // re-program for DEL below
+			t.Fatal(err)
+		}
+	}
+
+	// DEL removes our table; DEL again and DEL after the netns is gone succeed.
+	if err := n.del(full, rt); err != nil {
+		t.Fatalf("DEL: %v", err)
+	}
+	if hasTable(t, enrolled) {
+		t.Error("table still there after DEL")
+	}
+	if len(n.mesh.Members()) != 0 {
+		t.Errorf("agent still holds %v after DEL", n.mesh.Members())
+	}
+	if err := n.del(full, rt); err != nil {
+		t.Errorf("second DEL: %v", err)
+	}
+	testnet.IP(t, "netns", "del", enrolled.Name)
+	if err := n.del(full, rt); err != nil {
+		t.Errorf("DEL after the netns is gone: %v", err)
+	}
+
+	// A pod outside the mesh, through the whole chain: no rules, and its
+	// traffic goes where it was sent.
+	plainPod := testnet.NewNS(t, "nftpod")
+	n.pod(plainNS, "web", nil)
+	prt := runtimeConf(plainPod, plainNS, "web", nil)
+	r, err := n.add(full, prt)
+	if err != nil {
+		t.Fatalf("ADD of a plain pod: %v\n%s", err, n.log)
+	}
+	if hasTable(t, plainPod) {
+		t.Error("a pod outside the mesh got our table")
+	}
+	upstream := n.node.Listen(t, netip.AddrPortFrom(gateway(t, r), 8080).String(), false)
+	if _, err := plainPod.Dial(t, "tcp", upstream.Addr().String(), testnet.DialOpts{}); err != nil {
+		t.Fatalf("dial from the plain pod: %v", err)
+	}
+	if _, err := testnet.Accept(t, upstream, 2*time.Second); err != nil {
+		t.Errorf("plain pod's traffic did not reach the node: %v", err)
+	}
+	if version == "1.1.0" {
+		if err := n.inNode(func() error { return n.cni.GetStatusNetworkList(context.Background(), full) }); err != nil {
+			t.Errorf("STATUS with the agent up: %v", err)
+		}
+	}
+	if err := n.del(full, prt); err != nil {
+		t.Errorf("DEL of the plain pod: %v", err)
+	}
+}

@@ -1,0 +1,66 @@
+package wire
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"slices"
+	"time"
+)
+
+// Policy is the snapshot of enrolment policy the agent keeps in
+// <run dir>/policy.json, written atomically whenever it changes. The plugin
+// reads it only when the agent cannot be reached, to tell a pod that must
+// not start un-captured (fail ADD, the runtime retries) from one the agent
+// would leave alone (let it through).
+//
+// The plugin cannot evaluate pod label selectors (the runtime does not pass
+// labels), so the agent pre-computes what it can: namespaces whose labels
+// enrol their pods, and a decision per pod it already knows is bound to
+// this node (the scheduler binds pods before the runtime creates them).
+type Policy struct {
+	Generated time.Time `json:"generated"`
+	// ExcludeNamespaces are never enrolled.
+	ExcludeNamespaces []string `json:"excludeNamespaces"`
+	// EnrolledNamespaces enrol their pods unless a pod opts out.
+	EnrolledNamespaces []string `json:"enrolledNamespaces"`
+	// Pods maps "namespace/name" to the agent's decision for it.
+	Pods map[string]Mode `json:"pods,omitempty"`
+	// Selectors is the enablement selector list, for people reading the file.
+	Selectors json.RawMessage `json:"selectors,omitempty"`
+}
+
+// Fallback is what the plugin does for pod key in namespace ns when the
+// agent is unreachable: true means the pod would be enrolled (fail the ADD).
+func (p *Policy) Fallback(ns, key string) (enrol bool, why string) {
+	if m, ok := p.Pods[key]; ok {
+		return m != ModeNone, fmt.Sprintf("the agent's last decision for %s was %s", key, m)
+	}
+	if slices.Contains(p.ExcludeNamespaces, ns) {
+		return false, fmt.Sprintf("namespace %s is excluded", ns)
+	}
+	if slices.Contains(p.EnrolledNamespaces, ns) {
+		return true, fmt.Sprintf("namespace %s is enrolled", ns)
+	}
+	return false, fmt.Sprintf("namespace %s is not enrolled", ns)
+}
+
+// ReadPolicy reads a snapshot; it is small, so anything over MaxMessage
+// bytes is refused as not ours.
+func ReadPolicy(path string) (*Policy, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	b, err := io.ReadAll(io.LimitReader(f, 4<<20))
+	if err != nil {
+		return nil, err
+	}
+	p := &Policy{}
+	if err := json.Unmarshal(b, p); err != nil {
+		return nil, fmt.Errorf("policy snapshot %s: %w", path, err)
+	}
+	return p, nil
+}

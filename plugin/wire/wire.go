@@ -1,0 +1,199 @@
+// Package wire is the protocol between the nftcni plugin and the agent: the
+// messages, their encoding, and the policy snapshot the plugin reads when
+// the agent is down. Both binaries import it; it imports nothing of either.
+//
+// Transport: a unix SOCK_SEQPACKET socket, so each message is one datagram
+// with its boundaries kept and a netns fd rides along in SCM_RIGHTS. A
+// message is one JSON object of at most MaxMessage bytes.
+//
+// One pod ADD is one connection:
+//
+//	plugin -> agent   add      (pod identity, netns fd)
+//	agent  -> plugin  decision (none / ambient / sidecar and its inputs)
+//	plugin -> agent   outcome  (rules programmed, or why not)   [not for none]
+//	agent  -> plugin  done     (pod marked enrolled) or error
+//	plugin -> agent   log      (the invocation's log records)    [optional]
+//
+// DEL, CHECK, STATUS and GC are one request and one reply each.
+package wire
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/netip"
+
+	"github.com/nftcni/nftcni/nft"
+)
+
+// File names under the agent's run dir (cni_agent_run_dir).
+const (
+	SocketName = "plugin.sock" // the agent's event socket, mode 0600
+	PolicyName = "policy.json" // the snapshot the plugin falls back on
+	LogName    = "plugin.log"  // where the plugin logs when the agent is down
+)
+
+// MaxMessage bounds one message; anything longer is refused, not truncated.
+const MaxMessage = 64 << 10
+
+// Kind says what a message is.
+type Kind string
+
+const (
+	KindAdd      Kind = "add"
+	KindDecision Kind = "decision"
+	KindOutcome  Kind = "outcome"
+	KindDone     Kind = "done"
+	KindDel      Kind = "del"
+	KindCheck    Kind = "check"
+	KindStatus   Kind = "status"
+	KindGC       Kind = "gc"
+	KindLog      Kind = "log"
+	KindError    Kind = "error"
+)
+
+// Mode is the agent's decision for a pod.
+type Mode string
+
+const (
+	ModeNone    Mode = "none"
+	ModeAmbient Mode = "ambient"
+	ModeSidecar Mode = "sidecar"
+)
+
+// Message is the single envelope of the protocol; Kind says which fields
+// are meaningful.
+type Message struct {
+	Kind Kind `json:"kind"`
+	// Pod: add, del, check.
+	Pod *Pod `json:"pod,omitempty"`
+	// Decision: decision.
+	Decision *Decision `json:"decision,omitempty"`
+	// Error: outcome (empty = rules in place) and error.
+	Error string `json:"error,omitempty"`
+	// Valid: gc, the attachments the runtime still has.
+	Valid []Attachment `json:"valid,omitempty"`
+	// Logs: log, one JSON object per record.
+	Logs []json.RawMessage `json:"logs,omitempty"`
+}
+
+// Attachment is what CNI identifies a pod's network attachment by.
+type Attachment struct {
+	ContainerID string `json:"containerID"`
+	IfName      string `json:"ifname"`
+}
+
+// Pod is the identity the plugin knows from CNI_ARGS and prevResult.
+type Pod struct {
+	Namespace string `json:"namespace"`
+	Name      string `json:"name"`
+	UID       string `json:"uid,omitempty"`
+	Attachment
+	IPs []netip.Prefix `json:"ips,omitempty"`
+	// Annotations came from the runtime (io.kubernetes.cri.pod-annotations);
+	// nil when it passed none.
+	Annotations map[string]string `json:"annotations,omitempty"`
+}
+
+// Key names the pod as Kubernetes does.
+func (p *Pod) Key() string { return p.Namespace + "/" + p.Name }
+
+// HasIPv6 says whether any of the pod's addresses is IPv6.
+func HasIPv6(ips []netip.Prefix) bool {
+	for _, p := range ips {
+		if p.Addr().Is6() && !p.Addr().Is4In6() {
+			return true
+		}
+	}
+	return false
+}
+
+// Decision is what the pod gets.
+type Decision struct {
+	Mode Mode `json:"mode"`
+	// Reason is a short human explanation, logged by both sides.
+	Reason  string           `json:"reason,omitempty"`
+	Ambient *nft.AmbientSpec `json:"ambient,omitempty"`
+	Sidecar *SidecarDecision `json:"sidecar,omitempty"`
+}
+
+// SidecarDecision carries the inputs of a sidecar ruleset: the plugin
+// parses annotations itself, whether they came from the runtime or here.
+type SidecarDecision struct {
+	Annotations map[string]string `json:"annotations"`
+	Proxy       nft.SidecarProxy  `json:"proxy"`
+}
+
+// Ruleset builds the pod's ruleset for a decision; nil for ModeNone.
+func (d *Decision) Ruleset() (*nft.Ruleset, error) {
+	switch d.Mode {
+	case ModeNone:
+		return nil, nil
+	case ModeAmbient:
+		if d.Ambient == nil {
+			return nil, errors.New("ambient decision without a spec")
+		}
+		return nft.Ambient(*d.Ambient), nil
+	case ModeSidecar:
+		if d.Sidecar == nil {
+			return nil, errors.New("sidecar decision without annotations")
+		}
+		spec, err := nft.ParseSidecar(d.Sidecar.Annotations, d.Sidecar.Proxy)
+		if err != nil {
+			return nil, err
+		}
+		return nft.Sidecar(spec), nil
+	}
+	return nil, fmt.Errorf("unknown mode %q", d.Mode)
+}
+
+// Encode marshals m, refusing what the peer would refuse.
+func Encode(m *Message) ([]byte, error) {
+	b, err := json.Marshal(m)
+	if err != nil {
+		return nil, err
+	}
+	if len(b) > MaxMessage {
+		return nil, fmt.Errorf("%s message of %d bytes exceeds the %d-byte limit", m.Kind, len(b), MaxMessage)
+	}
+	return b, nil
+}
+
+// Decode parses one message and checks that the fields its kind needs are
+// there, so handlers never see a half-formed message.
+func Decode(b []byte) (*Message, error) {
+	if len(b) > MaxMessage {
+		return nil, fmt.Errorf("message of %d bytes exceeds the %d-byte limit", len(b), MaxMessage)
+	}
+	d := json.NewDecoder(bytes.NewReader(b))
+	m := &Message{}
+	if err := d.Decode(m); err != nil {
+		return nil, fmt.Errorf("decoding message: %w", err)
+	}
+	if d.More() {
+		return nil, errors.New("decoding message: trailing data after the object")
+	}
+	switch m.Kind {
+	case KindAdd, KindDel, KindCheck:
+		if m.Pod == nil {
+			return nil, fmt.Errorf("%s message without a pod", m.Kind)
+		}
+		if m.Pod.Namespace == "" || m.Pod.Name == "" || m.Pod.ContainerID == "" {
+			return nil, fmt.Errorf("%s message: pod needs namespace, name and containerID", m.Kind)
+		}
+	case KindDecision:
+		if m.Decision == nil {
+			return nil, errors.New("decision message without a decision")
+		}
+		switch m.Decision.Mode {
+		case ModeNone, ModeAmbient, ModeSidecar:
+		default:
+			return nil, fmt.Errorf("decision message: unknown mode %q", m.Decision.Mode)
+		}
+	case KindOutcome, KindDone, KindStatus, KindGC, KindLog, KindError:
+	default:
+		return nil, fmt.Errorf("unknown message kind %q", m.Kind)
+	}
+	return m, nil
+}
