@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"log/slog"
+	"net"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -396,4 +397,19 @@ func testChain(t *testing.T, subnet int, shape, version string) {
 	if err := n.del(full, prt); err != nil {
 		t.Errorf("DEL of the plain pod: %v", err)
 	}
+}
+
+// netListenConfig makes a unixpacket listener (to leave a stale socket).
+type netListenConfig struct{}
+
+func (netListenConfig) listen(path string) (interface{ Close() error }, error) {
+	if err := os.MkdirAll(filepath.Dir(path), 0o750); err != nil {
+		return nil, err
+	}
+	l, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: path, Net: "unixpacket"})
+	if err != nil {
+		return nil, err
+	}
+	l.SetUnlinkOnClose(false)
+	return l, nil
 }

@@ -1,0 +1,265 @@
+package integration
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/containernetworking/cni/libcni"
+	"github.com/containernetworking/cni/pkg/types"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/nftcni/nftcni/integration/testnet"
+	"github.com/nftcni/nftcni/nft"
+	"github.com/nftcni/nftcni/plugin/wire"
+)
+
+// With the agent gone, a pod the policy snapshot enrols fails ADD with a
+// message naming the socket (and the runtime's DEL after it succeeds); a pod
+// it does not enrol starts.
+func TestCNIAgentDown(t *testing.T) {
+	n := newCNINode(t, 60)
+	n.startAgent() // writes the policy snapshot
+	n.stopAgent()
+	full := n.list("bridge", "1.0.0", true, false)
+	sock := filepath.Join(n.run, wire.SocketName)
+
+	for _, stale := range []bool{false, true} {
+		name := "gone"
+		if stale {
+			// A crashed agent leaves its socket behind: connect is refused.
+			name = "stale"
+			l, err := (&netListenConfig{}).listen(sock)
+			if err != nil {
+				t.Fatal(err)
+			}
+			l.Close()
+		}
+		t.Run(name, func(t *testing.T) {
+			meshPod := testnet.NewNS(t, "nftpod")
+			n.pod(meshNS, "app-"+name, nil)
+			rt := runtimeConf(meshPod, meshNS, "app-"+name, nil)
+			_, err := n.add(full, rt)
+			if err == nil {
+				t.Fatal("ADD of an enrolled-namespace pod succeeded with no agent")
+			}
+			if !strings.Contains(err.Error(), sock) || !strings.Contains(err.Error(), "must be enrolled") {
+				t.Errorf("ADD error does not name the agent socket: %v", err)
+			}
+			var cniErr *types.Error
+			if !errors.As(err, &cniErr) || cniErr.Code != types.ErrTryAgainLater {
+				t.Errorf("ADD error %#v, want CNI code %d (try again later)", err, types.ErrTryAgainLater)
+			}
+			if hasTable(t, meshPod) {
+				t.Error("a failed ADD left our table behind")
+			}
+			if err := n.del(full, rt); err != nil {
+				t.Errorf("DEL after the failed ADD: %v", err)
+			}
+
+			plainPod := testnet.NewNS(t, "nftpod")
+			n.pod(plainNS, "web-"+name, nil)
+			prt := runtimeConf(plainPod, plainNS, "web-"+name, nil)
+			if _, err := n.add(full, prt); err != nil {
+				t.Errorf("ADD of a pod outside the mesh failed with the agent down: %v", err)
+			}
+			if err := n.del(full, prt); err != nil {
+				t.Errorf("DEL: %v", err)
+			}
+		})
+	}
+	// The plugin wrote what happened to its rolling log, since nobody
+	// could take its records.
+	b, err := os.ReadFile(filepath.Join(n.run, wire.LogName))
+	if err != nil || !strings.Contains(string(b), "letting it through") {
+		t.Errorf("plugin log file: %v\n%s", err, b)
+	}
+}
+
+// fdCount counts this process's open descriptors; the agent runs in-process.
+func fdCount(t *testing.T) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(ents)
+}
+
+// 50 ADDs at once into 50 namespaces all succeed with the right rules, and
+// the agent is back to its descriptors and goroutines after the DELs.
+func TestCNIConcurrentAdds(t *testing.T) {
+	const pods = 50
+	n := newCNINode(t, 61)
+	n.startAgent()
+	full := n.list("bridge", "1.0.0", true, false)
+	nss := make([]*testnet.NS, pods)
+	rts := make([]*libcni.RuntimeConf, pods)
+	for i := range nss {
+		nss[i] = testnet.NewNS(t, "nftpod")
+		name := "app-" + nss[i].Name
+		n.pod(meshNS, name, nil)
+		rts[i] = runtimeConf(nss[i], meshNS, name, nil)
+	}
+	fds, goroutines := fdCount(t), runtime.NumGoroutine()
+
+	run := func(f func(i int) error) []error {
+		errs := make([]error, pods)
+		var wg sync.WaitGroup
+		for i := range pods {
+			wg.Add(1)
+			go func() { defer wg.Done(); errs[i] = f(i) }()
+		}
+		wg.Wait()
+		return errs
+	}
+	for i, err := range run(func(i int) error { _, err := n.add(full, rts[i]); return err }) {
+		if err != nil {
+			t.Errorf("ADD %d: %v", i, err)
+		}
+	}
+	want := nft.Ambient(nft.AmbientSpec{DNSCapture: true})
+	for i, p := range nss {
+		if err := nft.Verify(p.FD, want); err != nil {
+			t.Errorf("pod %d: %v", i, err)
+		}
+	}
+	if got := len(n.mesh.Members()); got != pods {
+		t.Errorf("agent enrolled %d pods, want %d", got, pods)
+	}
+	if got := fdCount(t); got != fds+pods {
+		t.Errorf("descriptors after %d ADDs: %d, want %d (one kept netns per pod)", pods, got, fds+pods)
+	}
+	for i, err := range run(func(i int) error { return n.del(full, rts[i]) }) {
+		if err != nil {
+			t.Errorf("DEL %d: %v", i, err)
+		}
+	}
+	if got := fdCount(t); got != fds {
+		t.Errorf("descriptors after DELs: %d, want %d", got, fds)
+	}
+	deadline := time.Now().Add(2 * time.Second)
+	for runtime.NumGoroutine() > goroutines && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if got := runtime.NumGoroutine(); got > goroutines {
+		t.Errorf("goroutines after DELs: %d, before ADDs: %d", got, goroutines)
+	}
+	if got := testutil.ToFloat64(n.metrics.Requests.WithLabelValues("add", "success")); got != pods {
+		t.Errorf("add requests counted: %v", got)
+	}
+}
+
+// A sidecar-injected pod whose annotations come with the runtime's call
+// gets the sidecar ruleset without the agent being asked anything.
+func TestCNISidecarFromRuntimeAnnotations(t *testing.T) {
+	n := newCNINode(t, 62)
+	n.startAgent()
+	full := n.list("bridge", "1.0.0", true, false)
+	ann := map[string]string{
+		nft.AnnSidecarStatus:        `{"initContainers":["istio-validation"],"containers":["istio-proxy"],"revision":"default"}`,
+		nft.AnnExcludeOutboundPorts: "9999",
+	}
+	pod := testnet.NewNS(t, "nftpod")
+	// Not in the agent's store either: a lookup could not have helped.
+	rt := runtimeConf(pod, plainNS, "sidecar", ann)
+	r, err := n.add(full, rt)
+	if err != nil {
+		t.Fatalf("ADD: %v", err)
+	}
+	spec, err := nft.ParseSidecar(ann, nft.SidecarProxy{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := nft.Verify(pod.FD, nft.Sidecar(spec)); err != nil {
+		t.Errorf("sidecar ruleset: %v", err)
+	}
+	for _, res := range []string{"success", "failure"} {
+		if got := testutil.ToFloat64(n.metrics.Requests.WithLabelValues("add", res)); got != 0 {
+			t.Errorf("the agent saw %v add requests (%s)", got, res)
+		}
+	}
+	// REDIRECT capture: outbound lands on the sidecar's 15001, except the
+	// excluded port, which goes straight out.
+	gw := gateway(t, r)
+	proxy := pod.Listen(t, ":15001", false)
+	if _, err := pod.Dial(t, "tcp", gw.String()+":80", testnet.DialOpts{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := testnet.Accept(t, proxy, 2*time.Second); err != nil {
+		t.Errorf("outbound did not land on the sidecar: %v", err)
+	}
+	upstream := n.node.Listen(t, gw.String()+":9999", false)
+	if _, err := pod.Dial(t, "tcp", upstream.Addr().String(), testnet.DialOpts{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := testnet.Accept(t, upstream, 2*time.Second); err != nil {
+		t.Errorf("excluded port was captured: %v", err)
+	}
+	if err := n.del(full, rt); err != nil {
+		t.Errorf("DEL: %v", err)
+	}
+	if hasTable(t, pod) {
+		t.Error("table still there after DEL")
+	}
+}
+
+// STATUS fails only when the entry opts in; GC releases what the agent holds
+// for attachments the runtime no longer has.
+func TestCNIStatusAndGC(t *testing.T) {
+	n := newCNINode(t, 63)
+	lenient := n.list("bridge", "1.1.0", true, false)
+	strict := n.list("bridge", "1.1.0", true, true)
+	status := func(l *libcni.NetworkConfigList) error {
+		return n.inNode(func() error { return n.cni.GetStatusNetworkList(context.Background(), l) })
+	}
+	if err := status(lenient); err != nil {
+		t.Errorf("STATUS without the agent, status_requires_agent=false: %v", err)
+	}
+	err := status(strict)
+	var cniErr *types.Error
+	if !errors.As(err, &cniErr) || cniErr.Code != types.ErrPluginNotAvailable || !strings.Contains(err.Error(), n.run) {
+		t.Errorf("STATUS without the agent, status_requires_agent=true: %v, want code 50 naming the socket", err)
+	}
+	n.startAgent()
+	if err := status(strict); err != nil {
+		t.Errorf("STATUS with the agent: %v", err)
+	}
+
+	kept, gone := testnet.NewNS(t, "nftpod"), testnet.NewNS(t, "nftpod")
+	n.pod(meshNS, "kept", nil)
+	n.pod(meshNS, "gone", nil)
+	krt := runtimeConf(kept, meshNS, "kept", nil)
+	if _, err := n.add(lenient, krt); err != nil {
+		t.Fatal(err)
+	}
+	// "gone" is enrolled by a direct plugin call, so the runtime's cache
+	// does not know it and only our GC can release it.
+	grt := runtimeConf(gone, meshNS, "gone", nil)
+	prev, err := n.add(n.list("bridge", "1.1.0", false, false), grt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n.execNftcni("ADD", "1.1.0", prev, grt); err != nil {
+		t.Fatal(err)
+	}
+	if got := len(n.mesh.Members()); got != 2 {
+		t.Fatalf("members before GC: %d", got)
+	}
+	err = n.inNode(func() error {
+		return n.cni.GCNetworkList(context.Background(), lenient, &libcni.GCArgs{
+			ValidAttachments: []types.GCAttachment{{ContainerID: krt.ContainerID, IfName: "eth0"}}})
+	})
+	if err != nil {
+		t.Fatalf("GC: %v", err)
+	}
+	if got := n.mesh.Members(); len(got) != 1 || got[0].Pod.Name != "kept" {
+		t.Errorf("members after GC: %+v, want only kept", got)
+	}
+}
