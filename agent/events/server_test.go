@@ -1,0 +1,356 @@
+package events
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"golang.org/x/sys/unix"
+
+	"github.com/nftcni/nftcni/nft"
+	"github.com/nftcni/nftcni/plugin/wire"
+)
+
+// A test binary run with NFTCNI_TEST_DIAL=<socket> dials it and reports:
+// the non-root client of TestNonRootPeerRefused.
+func TestMain(m *testing.M) {
+	if path := os.Getenv("NFTCNI_TEST_DIAL"); path != "" {
+		uc, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: path, Net: "unixpacket"})
+		if err != nil {
+			fmt.Println("dial:", err)
+			os.Exit(0)
+		}
+		c := wire.NewConn(uc)
+		_ = c.SetDeadline(time.Now().Add(2 * time.Second))
+		if err := c.Send(&wire.Message{Kind: wire.KindStatus}, nil); err != nil {
+			fmt.Println("send:", err)
+			os.Exit(0)
+		}
+		m, _, err := c.Recv()
+		fmt.Printf("reply: %v %v\n", m, err)
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+// fake is a Handler that records what reached it.
+type fake struct {
+	mu        sync.Mutex
+	decision  *wire.Decision
+	decideErr error
+	enrolled  []error
+	deleted   []string
+	gc        [][]wire.Attachment
+	delay     time.Duration
+}
+
+func (f *fake) Decide(ctx context.Context, p *wire.Pod) (*wire.Decision, error) {
+	time.Sleep(f.delay)
+	return f.decision, f.decideErr
+}
+func (f *fake) Prepare(context.Context, *wire.Pod, *wire.Decision, *os.File) error { return nil }
+func (f *fake) Enrolled(_ context.Context, _ *wire.Pod, _ *wire.Decision, _ *os.File, err error) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.enrolled = append(f.enrolled, err)
+	return nil
+}
+func (f *fake) Deleted(_ context.Context, p *wire.Pod) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.deleted = append(f.deleted, p.Key())
+	return nil
+}
+func (f *fake) GC(_ context.Context, v []wire.Attachment) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.gc = append(f.gc, v)
+	return nil
+}
+func (f *fake) Ready() error { return nil }
+
+type harness struct {
+	path    string
+	srv     *Server
+	metrics *Metrics
+	log     *strings.Builder
+	logMu   *sync.Mutex
+}
+
+type lockedWriter struct {
+	mu *sync.Mutex
+	w  io.Writer
+}
+
+func (l lockedWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(p)
+}
+
+func serve(t *testing.T, h Handler, dir string) *harness {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("peer credentials are checked for uid 0; needs root")
+	}
+	if dir == "" {
+		dir = t.TempDir()
+	}
+	hs := &harness{path: filepath.Join(dir, "run", wire.SocketName), log: &strings.Builder{}, logMu: &sync.Mutex{}}
+	l, err := Listen(hs.path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs.metrics = NewMetrics(nil)
+	hs.srv = NewServer(h, slog.New(slog.NewTextHandler(lockedWriter{hs.logMu, hs.log}, nil)), hs.metrics)
+	hs.srv.Timeout = 500 * time.Millisecond
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { _ = hs.srv.Serve(ctx, l); close(done) }()
+	t.Cleanup(func() { cancel(); <-done })
+	return hs
+}
+
+func (hs *harness) dial(t *testing.T) (*wire.Conn, *net.UnixConn) {
+	t.Helper()
+	uc, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: hs.path, Net: "unixpacket"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { uc.Close() })
+	c := wire.NewConn(uc)
+	_ = c.SetDeadline(time.Now().Add(2 * time.Second))
+	return c, uc
+}
+
+func fdCount(t *testing.T) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(ents)
+}
+
+func pod() *wire.Pod {
+	return &wire.Pod{Namespace: "ns", Name: "p", Attachment: wire.Attachment{ContainerID: "c1", IfName: "eth0"}}
+}
+
+func TestSocketIsRootOnly(t *testing.T) {
+	hs := serve(t, &fake{}, "")
+	st, err := os.Stat(hs.path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Mode().Perm() != 0o600 || st.Mode().Type() != os.ModeSocket {
+		t.Errorf("socket mode %v, want 0600 socket", st.Mode())
+	}
+}
+
+func TestListenRefusesToReplaceNonSocket(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "plugin.sock")
+	if err := os.WriteFile(path, []byte("not a socket"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Listen(path); err == nil || !strings.Contains(err.Error(), "not a socket") {
+		t.Errorf("Listen over a regular file: %v", err)
+	}
+	if b, _ := os.ReadFile(path); string(b) != "not a socket" {
+		t.Error("the file was replaced")
+	}
+}
+
+// Even when the socket's mode lets anyone connect, a non-root peer is cut
+// off before any request is read.
+func TestNonRootPeerRefused(t *testing.T) {
+	dir, err := os.MkdirTemp("", "nftcni-events")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	hs := serve(t, &fake{}, dir)
+	for _, p := range []string{dir, filepath.Dir(hs.path), hs.path} {
+		if err := os.Chmod(p, 0o777); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The test binary sits in a root-only build dir: run a copy nobody can read.
+	self, err := os.ReadFile("/proc/self/exe")
+	if err != nil {
+		t.Fatal(err)
+	}
+	exe := filepath.Join(dir, "client")
+	if err := os.WriteFile(exe, self, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(exe)
+	cmd.Env = append(os.Environ(), "NFTCNI_TEST_DIAL="+hs.path)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 65534, Gid: 65534}}
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("running the client as nobody: %v\n%s", err, out)
+	}
+	// Connected (the mode allowed it), then cut off: either its send hit
+	// the closed socket or its read did.
+	if o := string(out); !strings.HasPrefix(o, "reply: <nil>") && !strings.HasPrefix(o, "send:") {
+		t.Errorf("non-root client was not cut off after connecting: %s", out)
+	}
+	if got := testutil.ToFloat64(hs.metrics.Requests.WithLabelValues("connect", "rejected")); got != 1 {
+		t.Errorf("rejected connections counted: %v", got)
+	}
+}
+
+// Hostile or broken clients get a clean error or a closed connection; the
+// server keeps serving and keeps no descriptor.
+func TestBadClients(t *testing.T) {
+	f := &fake{decision: &wire.Decision{Mode: wire.ModeAmbient, Ambient: &nft.AmbientSpec{}}}
+	hs := serve(t, f, "")
+	before := fdCount(t)
+	netns, err := os.Open("/proc/self/ns/net")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer netns.Close()
+
+	raw := func(t *testing.T, b []byte, fds ...int) (*wire.Message, error) {
+		c, uc := hs.dial(t)
+		var oob []byte
+		if len(fds) > 0 {
+			oob = unix.UnixRights(fds...)
+		}
+		if _, _, err := uc.WriteMsgUnix(b, oob, nil); err != nil {
+			return nil, err
+		}
+		m, _, err := c.Recv()
+		return m, err
+	}
+	cases := []struct {
+		name string
+		b    []byte
+		fds  []int
+		want string
+	}{
+		{"garbage", []byte("\x00\x01not json"), nil, "decoding message"},
+		{"unknown kind", []byte(`{"kind":"reboot"}`), nil, "unknown message kind"},
+		{"add without pod", []byte(`{"kind":"add"}`), nil, "without a pod"},
+		{"add without netns", mustEncode(t, &wire.Message{Kind: wire.KindAdd, Pod: pod()}), nil, "no netns descriptor"},
+		{"too large", make([]byte, wire.MaxMessage+100), nil, "size limit"},
+		{"three descriptors", mustEncode(t, &wire.Message{Kind: wire.KindStatus}), []int{int(netns.Fd()), int(netns.Fd()), int(netns.Fd())}, "more than one descriptor"},
+		{"outcome first", []byte(`{"kind":"outcome"}`), nil, "cannot start with outcome"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			m, err := raw(t, tc.b, tc.fds...)
+			if err != nil {
+				t.Fatalf("no answer: %v", err)
+			}
+			if m.Kind != wire.KindError || !strings.Contains(m.Error, tc.want) {
+				t.Errorf("answer %+v, want an error containing %q", m, tc.want)
+			}
+		})
+	}
+	// A client that connects and says nothing is dropped at the deadline.
+	_, uc := hs.dial(t)
+	buf := make([]byte, 16)
+	_ = uc.SetReadDeadline(time.Now().Add(3 * time.Second))
+	if n, err := uc.Read(buf); !errors.Is(err, io.EOF) && n != 0 {
+		t.Errorf("silent client: read %d, %v; want the server to close", n, err)
+	}
+	// A plugin that dies between decision and outcome is reported to the
+	// handler as a failure, so nothing is marked enrolled.
+	c, _ := hs.dial(t)
+	if err := c.Send(&wire.Message{Kind: wire.KindAdd, Pod: pod()}, netns); err != nil {
+		t.Fatal(err)
+	}
+	if m, _, err := c.Recv(); err != nil || m.Kind != wire.KindDecision {
+		t.Fatalf("decision: %v %v", m, err)
+	}
+	c.Close()
+	waitUntil(t, func() bool { f.mu.Lock(); defer f.mu.Unlock(); return len(f.enrolled) == 1 })
+	if f.enrolled[0] == nil {
+		t.Error("a plugin that went away was reported as enrolled")
+	}
+	// Still serving, and every descriptor it received is closed.
+	c, _ = hs.dial(t)
+	if err := c.Send(&wire.Message{Kind: wire.KindStatus}, nil); err != nil {
+		t.Fatal(err)
+	}
+	if m, _, err := c.Recv(); err != nil || m.Kind != wire.KindDone {
+		t.Fatalf("status after the bad clients: %v %v", m, err)
+	}
+	waitUntil(t, func() bool { return fdCount(t) <= before+3 }) // +netns, +2 open test conns
+	if got := fdCount(t); got > before+3 {
+		t.Errorf("descriptors: %d before, %d after", before, got)
+	}
+}
+
+func mustEncode(t *testing.T, m *wire.Message) []byte {
+	b, err := wire.Encode(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func waitUntil(t *testing.T, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(3 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatal("condition not met in time")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// The full ADD conversation, then the plugin's log records re-emitted in
+// the agent's log at their level.
+func TestAddConversationAndLogs(t *testing.T) {
+	f := &fake{decision: &wire.Decision{Mode: wire.ModeAmbient, Ambient: &nft.AmbientSpec{}}}
+	hs := serve(t, f, "")
+	netns, _ := os.Open("/proc/self/ns/net")
+	defer netns.Close()
+	c, _ := hs.dial(t)
+	if err := c.Send(&wire.Message{Kind: wire.KindAdd, Pod: pod()}, netns); err != nil {
+		t.Fatal(err)
+	}
+	m, _, err := c.Recv()
+	if err != nil || m.Kind != wire.KindDecision || m.Decision.Mode != wire.ModeAmbient {
+		t.Fatalf("decision: %+v %v", m, err)
+	}
+	if err := c.Send(&wire.Message{Kind: wire.KindOutcome}, nil); err != nil {
+		t.Fatal(err)
+	}
+	if m, _, err = c.Recv(); err != nil || m.Kind != wire.KindDone {
+		t.Fatalf("done: %+v %v", m, err)
+	}
+	rec, _ := json.Marshal(map[string]any{"level": "WARN", "msg": "from the plugin", "pod": "ns/p"})
+	if err := c.Send(&wire.Message{Kind: wire.KindLog, Logs: []json.RawMessage{rec, json.RawMessage(`["not a record"]`)}}, nil); err != nil {
+		t.Fatal(err)
+	}
+	c.Close()
+	waitUntil(t, func() bool {
+		hs.logMu.Lock()
+		defer hs.logMu.Unlock()
+		return strings.Contains(hs.log.String(), `level=WARN msg="from the plugin" source=plugin pod=ns/p`)
+	})
+	if len(f.enrolled) != 1 || f.enrolled[0] != nil {
+		t.Errorf("handler saw %v, want one successful enrolment", f.enrolled)
+	}
+	if got := testutil.ToFloat64(hs.metrics.Requests.WithLabelValues("add", "success")); got != 1 {
+		t.Errorf("add success counted %v", got)
+	}
+}

@@ -1,0 +1,85 @@
+package plugin
+
+import (
+	"net"
+	"net/netip"
+	"reflect"
+	"strings"
+	"testing"
+
+	current "github.com/containernetworking/cni/pkg/types/100"
+)
+
+const prev = `{"cniVersion":"1.0.0","interfaces":[{"name":"cni0"},{"name":"veth1"},{"name":"eth0","sandbox":"/var/run/netns/p"}],
+ "ips":[{"interface":2,"address":"10.88.0.5/24","gateway":"10.88.0.1"},{"interface":0,"address":"10.88.0.1/24"},{"address":"fd00::5/64"}]}`
+
+func TestParseConfig(t *testing.T) {
+	c, err := ParseConfig([]byte(`{"cniVersion":"1.0.0","name":"n","type":"nftcni","exclude_namespaces":["kube-system"],
+		"runtimeConfig":{"io.kubernetes.cri.pod-annotations":{"a":"b"}},"prevResult":` + prev + `}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.RunDir != DefaultRunDir || c.SocketPath() != DefaultRunDir+"/plugin.sock" || c.RuntimeConfig.PodAnnotations["a"] != "b" {
+		t.Errorf("parsed %+v", c)
+	}
+	r, err := c.prevResult()
+	if err != nil || r == nil {
+		t.Fatal(err)
+	}
+	// Only the sandbox interface's addresses, and ones with no interface.
+	want := []netip.Prefix{netip.MustParsePrefix("10.88.0.5/24"), netip.MustParsePrefix("fd00::5/64")}
+	if got := podIPs(r, "eth0"); !reflect.DeepEqual(got, want) {
+		t.Errorf("podIPs = %v, want %v", got, want)
+	}
+
+	for in, want := range map[string]string{
+		`{`:                                  "parsing network config",
+		`{"cni_agent_run_dir":"relative"}`:   "absolute path",
+		`{"plugin_log_level":"loud"}`:        "plugin_log_level",
+		`{"cniVersion":"1.0.0","prevResult":{"ips":"x"}}`: "prevResult",
+	} {
+		if _, err := ParseConfig([]byte(in)); err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("ParseConfig(%s) = %v, want %q", in, err, want)
+		}
+	}
+}
+
+func TestPodIPsOutOfRangeInterface(t *testing.T) {
+	i := 7
+	r := &current.Result{IPs: []*current.IPConfig{{Interface: &i, Address: net.IPNet{IP: net.IPv4(10, 0, 0, 1), Mask: net.CIDRMask(24, 32)}}}}
+	if got := podIPs(r, "eth0"); len(got) != 0 {
+		t.Errorf("address on a missing interface counted: %v", got)
+	}
+}
+
+func TestParseArgs(t *testing.T) {
+	a, err := parseArgs("IgnoreUnknown=1;K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p;K8S_POD_UID=u;FOO=bar")
+	if err != nil || a.K8S_POD_NAMESPACE != "ns" || a.K8S_POD_NAME != "p" || a.K8S_POD_UID != "u" {
+		t.Errorf("parseArgs = %+v, %v", a, err)
+	}
+	// Unknown keys are tolerated even without IgnoreUnknown: runtimes add their own.
+	if _, err := parseArgs("K8S_POD_NAME=p;SOMETHING=else"); err != nil {
+		t.Errorf("unknown key refused: %v", err)
+	}
+}
+
+// FuzzParseConfig: any stdin parses or is refused with an error; a parsed
+// config always has an absolute run dir and a usable prevResult.
+func FuzzParseConfig(f *testing.F) {
+	f.Add([]byte(`{"cniVersion":"1.0.0","name":"n","type":"nftcni","prevResult":` + prev + `}`))
+	f.Add([]byte(`{"cniVersion":"0.3.1","name":"n","type":"nftcni","cni_agent_run_dir":"/run/x/../y","prevResult":{"cniVersion":"0.3.1","ips":[{"version":"4","address":"10.0.0.2/24"}]}}`))
+	f.Add([]byte(`{"cniVersion":"1.1.0","cni.dev/valid-attachments":[{"containerID":"c","ifname":"eth0"}]}`))
+	f.Add([]byte(`{"runtimeConfig":{"io.kubernetes.cri.pod-annotations":{"sidecar.istio.io/status":"{}"}}}`))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		c, err := ParseConfig(b)
+		if err != nil {
+			return
+		}
+		if !strings.HasPrefix(c.RunDir, "/") {
+			t.Fatalf("run dir %q", c.RunDir)
+		}
+		if r, err := c.prevResult(); err == nil && r != nil {
+			_ = podIPs(r, "eth0")
+		}
+	})
+}

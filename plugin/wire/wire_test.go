@@ -1,0 +1,152 @@
+package wire
+
+import (
+	"encoding/json"
+	"net/netip"
+	"reflect"
+	"strings"
+	"testing"
+
+	"github.com/nftcni/nftcni/nft"
+)
+
+func TestRoundTrip(t *testing.T) {
+	msgs := []*Message{
+		{Kind: KindAdd, Pod: &Pod{Namespace: "ns", Name: "p", UID: "u", Attachment: Attachment{ContainerID: "c", IfName: "eth0"},
+			IPs:         []netip.Prefix{netip.MustParsePrefix("10.0.0.5/24"), netip.MustParsePrefix("fd00::5/64")},
+			Annotations: map[string]string{"a": "b"}}},
+		{Kind: KindDecision, Decision: &Decision{Mode: ModeAmbient, Reason: "r", Ambient: &nft.AmbientSpec{DNSCapture: true, VirtualInterfaces: []string{"tun0"}}}},
+		{Kind: KindDecision, Decision: &Decision{Mode: ModeSidecar, Sidecar: &SidecarDecision{Annotations: map[string]string{"x": "y"}, Proxy: nft.SidecarProxy{UID: 7}}}},
+		{Kind: KindOutcome, Error: "boom"},
+		{Kind: KindGC, Valid: []Attachment{{ContainerID: "c", IfName: "eth0"}}},
+		{Kind: KindLog, Logs: []json.RawMessage{json.RawMessage(`{"msg":"x"}`)}},
+	}
+	for _, m := range msgs {
+		b, err := Encode(m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := Decode(b)
+		if err != nil {
+			t.Fatalf("%s: %v", b, err)
+		}
+		if !reflect.DeepEqual(got, m) {
+			t.Errorf("round trip of %s:\n got %+v\nwant %+v", b, got, m)
+		}
+	}
+}
+
+func TestDecodeRefuses(t *testing.T) {
+	for in, want := range map[string]string{
+		``:                                       "decoding message",
+		`{"kind":"add"}`:                         "without a pod",
+		`{"kind":"del","pod":{"namespace":"n"}}`: "needs namespace, name and containerID",
+		`{"kind":"decision"}`:                    "without a decision",
+		`{"kind":"decision","decision":{"mode":"x"}}`: "unknown mode",
+		`{"kind":"nope"}`:                     "unknown message kind",
+		`{"kind":"status"} {"kind":"status"}`: "trailing data",
+		`{"kind":"status","valid":"x"}`:       "decoding message",
+	} {
+		if _, err := Decode([]byte(in)); err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("Decode(%q) = %v, want %q", in, err, want)
+		}
+	}
+	if _, err := Encode(&Message{Kind: KindLog, Logs: []json.RawMessage{json.RawMessage(`"` + strings.Repeat("x", MaxMessage) + `"`)}}); err == nil {
+		t.Error("Encode accepted a message over the limit")
+	}
+}
+
+func TestFallback(t *testing.T) {
+	p := &Policy{ExcludeNamespaces: []string{"kube-system"}, EnrolledNamespaces: []string{"mesh"},
+		Pods: map[string]Mode{"mesh/opted-out": ModeNone, "plain/labelled": ModeAmbient, "plain/side": ModeSidecar}}
+	for _, tc := range []struct {
+		ns, name string
+		enrol    bool
+	}{
+		{"mesh", "new", true},         // enrolled namespace, unknown pod: fail closed
+		{"mesh", "opted-out", false},  // the agent knew this pod opts out
+		{"plain", "labelled", true},   // enrolled by its own label
+		{"plain", "side", true},       // sidecar pods are captured too
+		{"plain", "new", false},       // nothing enrols it
+		{"kube-system", "dns", false}, // excluded
+	} {
+		got, why := p.Fallback(tc.ns, tc.ns+"/"+tc.name)
+		if got != tc.enrol || why == "" {
+			t.Errorf("Fallback(%s/%s) = %v (%s), want %v", tc.ns, tc.name, got, why, tc.enrol)
+		}
+	}
+}
+
+func TestSidecarFromAnnotations(t *testing.T) {
+	injected := `{"initContainers":["istio-validation"],"containers":["istio-proxy"]}`
+	for _, tc := range []struct {
+		name string
+		ann  map[string]string
+		want Mode // "" = undecided, ask the agent
+	}{
+		{"no annotations", nil, ""},
+		{"not injected", map[string]string{"a": "b"}, ""},
+		{"unreadable status", map[string]string{nft.AnnSidecarStatus: "{"}, ""},
+		{"injected", map[string]string{nft.AnnSidecarStatus: injected}, ModeSidecar},
+		{"istio-init", map[string]string{nft.AnnSidecarStatus: `{"initContainers":["istio-init"],"containers":["istio-proxy"]}`}, ModeNone},
+		{"no proxy", map[string]string{nft.AnnSidecarStatus: `{"containers":["app"]}`}, ModeNone},
+	} {
+		d := SidecarFromAnnotations(tc.ann, true)
+		var got Mode
+		if d != nil {
+			got = d.Mode
+		}
+		if got != tc.want {
+			t.Errorf("%s: mode %q, want %q", tc.name, got, tc.want)
+		}
+		if got == ModeSidecar && (!d.Sidecar.Proxy.IPv6 || d.Sidecar.Annotations[nft.AnnSidecarStatus] != injected) {
+			t.Errorf("%s: sidecar inputs %+v", tc.name, d.Sidecar)
+		}
+	}
+}
+
+func TestHasIPv6(t *testing.T) {
+	v4 := []netip.Prefix{netip.MustParsePrefix("10.0.0.1/24"), netip.MustParsePrefix("::ffff:10.0.0.2/120")}
+	if HasIPv6(v4) {
+		t.Error("v4 and v4-mapped counted as IPv6")
+	}
+	if !HasIPv6(append(v4, netip.MustParsePrefix("fd00::1/64"))) {
+		t.Error("fd00::1 not counted")
+	}
+}
+
+// FuzzDecode: any input either decodes into a message that satisfies its
+// kind's invariants and re-encodes, or is refused; nothing panics.
+func FuzzDecode(f *testing.F) {
+	for _, s := range []string{
+		`{"kind":"add","pod":{"namespace":"n","name":"p","containerID":"c","ifname":"eth0","ips":["10.0.0.1/24"]}}`,
+		`{"kind":"decision","decision":{"mode":"ambient","ambient":{"DNSCapture":true}}}`,
+		`{"kind":"decision","decision":{"mode":"sidecar","sidecar":{"annotations":{"a":"b"},"proxy":{"UID":1}}}}`,
+		`{"kind":"gc","valid":[{"containerID":"c","ifname":"eth0"}]}`,
+		`{"kind":"log","logs":[{"msg":"x"},[1]]}`,
+		`{"kind":"status"}`, `{"kind":"error","error":"x"}`, `[]`, `null`, `{"kind":"add","pod":null}`,
+	} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		m, err := Decode(b)
+		if err != nil {
+			return
+		}
+		switch m.Kind {
+		case KindAdd, KindDel, KindCheck:
+			if m.Pod == nil || m.Pod.Namespace == "" || m.Pod.Name == "" || m.Pod.ContainerID == "" {
+				t.Fatalf("%s decoded with an incomplete pod: %q", m.Kind, b)
+			}
+		case KindDecision:
+			if m.Decision == nil {
+				t.Fatalf("decision without decision: %q", b)
+			}
+			_, _ = m.Decision.Ruleset() // must not panic on any spec
+		}
+		// Re-encoding may only fail for size (JSON escaping can grow it).
+		if _, err := Encode(m); err != nil && !strings.Contains(err.Error(), "limit") {
+			t.Fatalf("decoded message does not re-encode: %v (%q)", err, b)
+		}
+	})
+}
