@@ -42,8 +42,8 @@ func TestMain(m *testing.M) {
 }
 
 type host struct {
-	conf, bin string
-	orig      []byte
+	conf, bin, run string
+	orig           []byte
 }
 
 const primary = "10-calico.conflist"
@@ -51,7 +51,7 @@ const primary = "10-calico.conflist"
 func newHost(t *testing.T) *host {
 	t.Helper()
 	root := t.TempDir()
-	h := &host{conf: filepath.Join(root, "net.d"), bin: filepath.Join(root, "bin")}
+	h := &host{conf: filepath.Join(root, "net.d"), bin: filepath.Join(root, "bin"), run: filepath.Join(root, "run")}
 	for _, d := range []string{h.conf, h.bin} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			t.Fatal(err)
@@ -73,7 +73,7 @@ func (h *host) path() string { return filepath.Join(h.conf, primary) }
 func (h *host) agent(args ...string) *exec.Cmd {
 	cmd := exec.Command(filepath.Join(binDir, "nftcni-agent"), args...)
 	cmd.Env = append(os.Environ(),
-		"CNI_CONF_DIR="+h.conf, "CNI_BIN_DIR="+h.bin,
+		"CNI_CONF_DIR="+h.conf, "CNI_BIN_DIR="+h.bin, "CNI_AGENT_RUN_DIR="+h.run,
 		"PLUGIN_BINARY="+filepath.Join(binDir, "nftcni"), "LOG_LEVEL=info")
 	return cmd
 }

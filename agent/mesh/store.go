@@ -75,3 +75,19 @@ func (s *MemStore) Namespaces() []*corev1.Namespace {
 	}
 	return out
 }
+
+// Replace swaps the whole content at once, so readers see the old set or
+// the new one.
+func (s *MemStore) Replace(pods []*corev1.Pod, nss []*corev1.Namespace) {
+	np := make(map[string]*corev1.Pod, len(pods))
+	for _, p := range pods {
+		np[p.Namespace+"/"+p.Name] = p
+	}
+	nn := make(map[string]*corev1.Namespace, len(nss))
+	for _, n := range nss {
+		nn[n.Name] = n
+	}
+	s.mu.Lock()
+	s.pods, s.nss = np, nn
+	s.mu.Unlock()
+}

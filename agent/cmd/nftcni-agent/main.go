@@ -16,6 +16,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"strconv"
 	"syscall"
 
@@ -25,6 +26,7 @@ import (
 
 	"github.com/nftcni/nftcni/agent/health"
 	"github.com/nftcni/nftcni/agent/install"
+	"github.com/nftcni/nftcni/plugin/wire"
 	"github.com/nftcni/nftcni/templates"
 )
 
@@ -160,16 +162,22 @@ func uninstallCmd(args []string) error {
 
 func runCmd(ctx context.Context, args []string) error {
 	var healthAddr, monitoringPort, onExit string
+	var a ambientFlags
 	c, log, in, err := setup("run", args, true, func(f *flagSet) {
 		f.str(&healthAddr, "health-addr", "HEALTH_ADDR", ":8000", "address for /healthz and /readyz")
 		f.str(&monitoringPort, "monitoring-port", "MONITORING_PORT", "15014", "port for Prometheus /metrics; 0 or less disables it")
 		f.str(&onExit, "on-exit", "ON_EXIT", "keep", "what to do with the installed plugin on shutdown: keep (restart or upgrade) | uninstall")
+		a.register(f)
 	})
 	if err != nil {
 		return err
 	}
 	if onExit != "keep" && onExit != "uninstall" {
 		return fmt.Errorf("--on-exit %q: want keep or uninstall", onExit)
+	}
+	policy, err := a.policy(c.namespaces())
+	if err != nil {
+		return err
 	}
 	log.Info("nftcni-agent starting", "version", version, "mode", c.mode, "cni-conf-dir", c.confDir,
 		"cni-bin-dir", c.bins(), "plugin-binary", c.plugin(), "run-dir", c.runDir, "on-exit", onExit)
@@ -195,10 +203,22 @@ func runCmd(ctx context.Context, args []string) error {
 		log.Info("serving Prometheus /metrics", "addr", maddr.String())
 	}
 
+	// The plugin's endpoint comes up before the plugin is installed, so the
+	// first pod after installation already finds the agent.
+	m, stopEvents, err := serveEvents(ctx, c, &a, policy, reg, log)
+	if err != nil {
+		return err
+	}
+	defer m.Close()
 	runErr := in.Run(ctx, install.DefaultLoopConfig(), metrics, state)
+	stopEvents()
 	if onExit == "uninstall" {
 		log.Info("shutting down: uninstalling nftcni")
-		return errors.Join(runErr, in.Uninstall())
+		policyErr := os.Remove(filepath.Join(c.runDir, wire.PolicyName))
+		if errors.Is(policyErr, os.ErrNotExist) {
+			policyErr = nil
+		}
+		return errors.Join(runErr, in.Uninstall(), policyErr)
 	}
 	log.Info("shutting down: leaving the plugin and its config in place (--on-exit=keep)")
 	return runErr

@@ -1,0 +1,110 @@
+package integration
+
+import (
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/containernetworking/cni/libcni"
+
+	"github.com/nftcni/nftcni/integration/testnet"
+	"github.com/nftcni/nftcni/plugin/wire"
+)
+
+const podSource = `apiVersion: v1
+kind: Namespace
+metadata: {name: mesh, labels: {istio.io/dataplane-mode: ambient}}
+---
+apiVersion: v1
+kind: Namespace
+metadata: {name: plain}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: app, namespace: mesh, uid: uid-app}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: web, namespace: plain, uid: uid-web}
+`
+
+// The node as it runs: the agent process installs the plugin into the bin
+// dir and patches the primary's conflist, serves the plugin from its
+// static pod source, and keeps the policy snapshot current; the runtime
+// (libcni) reads the patched conflist and runs the installed binary.
+func TestAgentProcessServesThePlugin(t *testing.T) {
+	n := newCNINode(t, 64)
+	h := newHost(t)
+	if err := os.Remove(h.path()); err != nil {
+		t.Fatal(err)
+	}
+	primary := filepath.Join(h.conf, "10-nftnet.conflist")
+	if err := os.WriteFile(primary, n.primary("bridge", "1.0.0"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	src := t.TempDir()
+	if err := os.WriteFile(filepath.Join(src, "pods.yaml"), []byte(podSource), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	cmd, addr, logs := startAgent(t, h, "--pod-source", src, "--plugin-log-level", "debug")
+	waitReady(t, addr)
+	n.cni = libcni.NewCNIConfigWithCacheDir([]string{h.bin, referencePlugins(t)}, t.TempDir(), nil)
+	list, err := libcni.ConfListFromFile(primary)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(list.Bytes), h.run) {
+		t.Fatalf("installed entry does not point at the agent's run dir:\n%s", list.Bytes)
+	}
+
+	app, web := testnet.NewNS(t, "nftpod"), testnet.NewNS(t, "nftpod")
+	if _, err := n.add(list, runtimeConf(app, "mesh", "app", nil)); err != nil {
+		t.Fatalf("ADD mesh/app: %v\n%s", err, logs)
+	}
+	if _, err := n.add(list, runtimeConf(web, "plain", "web", nil)); err != nil {
+		t.Fatalf("ADD plain/web: %v", err)
+	}
+	if !hasTable(t, app) || hasTable(t, web) {
+		t.Errorf("tables: mesh/app %v (want true), plain/web %v (want false)", hasTable(t, app), hasTable(t, web))
+	}
+
+	// Label the other namespace: the snapshot follows the pod source.
+	if err := os.WriteFile(filepath.Join(src, "pods.yaml"),
+		[]byte(strings.Replace(podSource, "{name: plain}", "{name: plain, labels: {istio.io/dataplane-mode: ambient}}", 1)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	pol := filepath.Join(h.run, wire.PolicyName)
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		p, err := wire.ReadPolicy(pol)
+		if err == nil && slices.Contains(p.EnrolledNamespaces, "plain") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("policy snapshot never enrolled namespace plain: %+v %v", p, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+
+	// Agent stopped (restart, upgrade): the entry stays, and a new pod in
+	// the now-enrolled namespace is held back rather than started un-captured.
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Wait(); err != nil {
+		t.Fatalf("agent exit: %v", err)
+	}
+	late := testnet.NewNS(t, "nftpod")
+	rt := runtimeConf(late, "plain", "web2", nil)
+	_, err = n.add(list, rt)
+	if err == nil || !strings.Contains(err.Error(), filepath.Join(h.run, wire.SocketName)) {
+		t.Errorf("ADD with the agent stopped: %v, want a refusal naming the socket", err)
+	}
+	if err := n.del(list, rt); err != nil {
+		t.Errorf("DEL after the refused ADD: %v", err)
+	}
+}
