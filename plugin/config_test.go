@@ -33,9 +33,9 @@ func TestParseConfig(t *testing.T) {
 	}
 
 	for in, want := range map[string]string{
-		`{`:                                  "parsing network config",
-		`{"cni_agent_run_dir":"relative"}`:   "absolute path",
-		`{"plugin_log_level":"loud"}`:        "plugin_log_level",
+		`{`:                                "parsing network config",
+		`{"cni_agent_run_dir":"relative"}`: "absolute path",
+		`{"plugin_log_level":"loud"}`:      "plugin_log_level",
 		`{"cniVersion":"1.0.0","prevResult":{"ips":"x"}}`: "prevResult",
 	} {
 		if _, err := ParseConfig([]byte(in)); err == nil || !strings.Contains(err.Error(), want) {
