@@ -98,4 +98,3 @@ func serveEvents(ctx context.Context, c *common, a *ambientFlags, policy *enable
 	}
 	return m, stop, nil
 }
-
