@@ -18,6 +18,8 @@ go test -run '^$' -bench . -benchmem -count=1 ./conflist ./agent/install | tee -
 # Rule programming: fixed iteration counts keep the fresh-netns churn bounded.
 go test -run '^$' -bench 'ApplyFresh' -benchtime 300x -count=1 ./nft | tee -a "$out"
 go test -run '^$' -bench 'Apply1000Concurrent' -benchtime 3x -count=1 ./nft | tee -a "$out"
+# CNI ADD through libcni with the reference plugins: what nftcni adds.
+go test -run '^$' -bench 'CNIAdd' -benchtime 100x -count=1 ./integration | tee -a "$out"
 
 ns() { awk -v n="$1" '$1 ~ n {for (i=1;i<=NF;i++) if ($(i+1)=="ns/op") {print $i; exit}}' "$out"; }
 ratio() { # name-of-comparison name-of-ours
@@ -33,3 +35,14 @@ ratio 'BenchmarkApplyFresh/iptables-legacy-restore' 'BenchmarkApplyFresh/nftcni-
 ratio 'BenchmarkInsertMapRoundTrip' 'BenchmarkInsert-'
 b=$(ns 'BenchmarkApplyFresh/exec-baseline'); [ -n "$b" ] && awk -v b="$b" 'BEGIN {printf "  (nsenter+exec of true, part of every tool figure: %.2f ms)\n", b/1e6}'
 grep -E 's/1000pods' "$out" | awk '{for (i=1;i<=NF;i++) if ($(i+1)=="s/1000pods") printf "  1000 pod netns programmed concurrently: %s s\n", $i}'
+metric() { awk -v m="$1" '/^BenchmarkCNIAdd/ {for (i=1;i<=NF;i++) if ($(i+1)==m) {print $i; exit}}' "$out"; }
+if [ -n "$(metric primary-ms-median)" ]; then
+	echo "  CNI ADD, loopback+bridge+host-local via libcni (ms, median / p90):"
+	printf "    %-34s %6.2f / %6.2f\n" "primary chain alone" "$(metric primary-ms-median)" "$(metric primary-ms-p90)"
+	printf "    %-34s %6.2f / %6.2f\n" "+ nftcni, pod outside the mesh" "$(metric plain-ms-median)" "$(metric plain-ms-p90)"
+	printf "    %-34s %6.2f / %6.2f\n" "+ nftcni, enrolled (ambient)" "$(metric enrolled-ms-median)" "$(metric enrolled-ms-p90)"
+	printf "    %-34s %6.2f / %6.2f\n" "added by nftcni, enrolled" "$(metric added-enrolled-ms-median)" "$(metric added-enrolled-ms-p90)"
+	printf "    %-34s %6.2f\n" "added by nftcni, not enrolled" "$(metric added-plain-ms-median)"
+	printf "    %-34s %6.2f\n" "exec of nftcni for VERSION (floor)" "$(metric exec-ms-median)"
+fi
+printf "  plugin binary (static, stripped): %s bytes\n" "$(stat -c %s bin/nftcni)"

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# make demo: nftcni's installer on a throw-away host layout, no cluster.
+# make demo: nftcni on a throw-away host layout, no cluster.
 # A real primary CNI config (Calico's, as it ships) is patched, the primary
-# "restarts" and rewrites its file, the agent repairs it, and uninstall gives
-# back the original bytes. Everything lives under one temp dir, removed at exit.
+# "restarts" and rewrites its file, the agent repairs it. Then (as root) pods
+# are created with cnitool on a node whose primary is the reference bridge
+# plugin: one in an enrolled namespace gets its ruleset from nftcni, one
+# outside the mesh gets nothing. Uninstall gives back the original bytes.
+# Everything lives under one temp dir and a few netns, removed at exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 AGENT=$PWD/bin/nftcni-agent
@@ -11,8 +14,10 @@ PLUGIN=$PWD/bin/nftcni
 
 HOST=$(mktemp -d /tmp/nftcni-demo.XXXXXX)
 AGENT_PID=
+NETNS=()
 cleanup() {
 	[ -n "$AGENT_PID" ] && kill "$AGENT_PID" 2>/dev/null && wait "$AGENT_PID" 2>/dev/null || true
+	for n in "${NETNS[@]}"; do ip netns del "$n" 2>/dev/null || true; done
 	rm -rf "$HOST"
 }
 trap cleanup EXIT
@@ -23,7 +28,25 @@ BIN=$HOST/opt/cni/bin
 mkdir -p "$CONF" "$BIN"
 cp conflist/testdata/corpus/10-calico.conflist "$CONF/"
 cp "$CONF/10-calico.conflist" "$HOST/original.conflist"
-export CNI_CONF_DIR=$CONF CNI_BIN_DIR=$BIN PLUGIN_BINARY=$PLUGIN LOG_LEVEL=warn
+mkdir -p "$HOST/pods"
+cat >"$HOST/pods/pods.yaml" <<'YAML'
+apiVersion: v1
+kind: Namespace
+metadata: {name: shop, labels: {istio.io/dataplane-mode: ambient}}
+---
+apiVersion: v1
+kind: Namespace
+metadata: {name: legacy}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: cart, namespace: shop, uid: 6b1e0d2a-cart}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: batch, namespace: legacy, uid: 0c4f9a11-batch}
+YAML
+export CNI_CONF_DIR=$CONF CNI_BIN_DIR=$BIN PLUGIN_BINARY=$PLUGIN LOG_LEVEL=warn CNI_AGENT_RUN_DIR=$HOST/run
 
 step "A node with Calico's primary config in $CONF"
 ls -l "$CONF" "$BIN"
@@ -41,8 +64,8 @@ cp "$CONF/10-calico.conflist" "$HOST/installed.conflist"
 "$AGENT" install --once
 cmp "$HOST/installed.conflist" "$CONF/10-calico.conflist" && echo "identical"
 
-step "nftcni-agent run: watch and repair"
-LOG_LEVEL=info "$AGENT" run --health-addr 127.0.0.1:0 --monitoring-port 0 --on-exit keep 2>"$HOST/agent.log" &
+step "nftcni-agent run: watch and repair, and serve the plugin (pods and namespaces from $HOST/pods)"
+LOG_LEVEL=info "$AGENT" run --health-addr 127.0.0.1:0 --monitoring-port 0 --on-exit keep --pod-source "$HOST/pods" 2>"$HOST/agent.log" &
 AGENT_PID=$!
 sleep 0.5
 
@@ -62,6 +85,49 @@ step "someone deletes the plugin binary"
 rm "$BIN/nftcni"
 for _ in $(seq 200); do [ -x "$BIN/nftcni" ] && break; sleep 0.01; done
 ls -l "$BIN/nftcni"
+
+if [ "$(id -u)" = 0 ] && [ -x "${NFTCNI_CNI_BIN:-}/bridge" ]; then
+	step "Pods: the node's primary CNI becomes the reference bridge plugin (05-bridge.conflist sorts first)"
+	NODE=nftcni-demo-node-$$; CART=nftcni-demo-cart-$$; BATCH=nftcni-demo-batch-$$
+	for n in "$NODE" "$CART" "$BATCH"; do ip netns add "$n"; NETNS+=("$n"); done
+	ip -n "$NODE" link set lo up
+	cat >"$CONF/05-bridge.conflist" <<JSON
+{
+  "cniVersion": "1.0.0",
+  "name": "demonet",
+  "plugins": [
+    {"type": "loopback"},
+    {"type": "bridge", "bridge": "demo0", "isGateway": true,
+     "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.123.0.0/24"}]], "dataDir": "$HOST/ipam"}}
+  ]
+}
+JSON
+	for _ in $(seq 200); do grep -q '"type": "nftcni"' "$CONF/05-bridge.conflist" && break; sleep 0.01; done
+	echo "nftcni entries in the new primary (the agent follows the file runtimes load):"; grep -c '"type": "nftcni"' "$CONF/05-bridge.conflist"
+	cni() { # cni <add|check|del> <netns> <namespace> <pod>
+		ip netns exec "$NODE" env CNI_PATH="$BIN:$NFTCNI_CNI_BIN" NETCONFPATH="$CONF" \
+			CNI_ARGS="IgnoreUnknown=1;K8S_POD_NAMESPACE=$3;K8S_POD_NAME=$4" \
+			"$NFTCNI_CNI_BIN/cnitool" "$1" demonet "/var/run/netns/$2"
+	}
+	step "cnitool add shop/cart (namespace shop is labelled istio.io/dataplane-mode=ambient)"
+	cni add "$CART" shop cart | grep -E '"address"'
+	echo "its netns now holds our table (read back with nft, which nftcni itself never runs):"
+	ip netns exec "$CART" nft list table inet nftcni | grep -E 'chain|redirect|tproxy|dnat' | head -12
+	echo "policy routing: $(ip -n "$CART" rule show | grep 'lookup 100')"
+	step "cnitool add legacy/batch (not in the mesh): no rules"
+	cni add "$BATCH" legacy batch | grep -E '"address"'
+	ip netns exec "$BATCH" nft list tables | grep -q nftcni && { echo "unexpected table"; exit 1; } || echo "no nftcni table in legacy/batch"
+	step "CHECK passes; someone deletes the table; CHECK fails"
+	cni check "$CART" shop cart && echo "check: ok"
+	ip netns exec "$CART" nft delete table inet nftcni
+	cni check "$CART" shop cart 2>&1 | head -3 || true
+	step "DEL removes everything (and a second DEL is fine)"
+	cni del "$CART" shop cart; cni del "$CART" shop cart; cni del "$BATCH" legacy batch
+	ip netns exec "$CART" nft list tables | grep -q nftcni && { echo "table left"; exit 1; } || echo "no table left in shop/cart"
+	rm "$CONF/05-bridge.conflist"
+else
+	step "Pods: skipped (needs root for network namespaces, and the reference plugins from 'make cni-plugins')"
+fi
 
 step "agent stops (a restart or upgrade: --on-exit keep leaves the install in place)"
 kill "$AGENT_PID"; wait "$AGENT_PID" || true; AGENT_PID=

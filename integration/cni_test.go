@@ -74,7 +74,7 @@ func (s *syncBuffer) String() string {
 // lives there), run/data/cache dirs, and an in-process agent (event server
 // over a mesh with an in-memory pod store) that tests start and stop.
 type cniNode struct {
-	t       *testing.T
+	t       testing.TB
 	node    *testnet.NS
 	subnet  int
 	run     string
@@ -92,7 +92,7 @@ const (
 	plainNS = "plain" // not labelled
 )
 
-func newCNINode(t *testing.T, subnet int) *cniNode {
+func newCNINode(t testing.TB, subnet int) *cniNode {
 	testnet.RequireRoot(t)
 	root := t.TempDir()
 	n := &cniNode{t: t, node: testnet.NewNS(t, "nftnode"), subnet: subnet,

@@ -1,0 +1,91 @@
+package integration
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/containernetworking/cni/libcni"
+	"github.com/containernetworking/cni/pkg/invoke"
+
+	"github.com/nftcni/nftcni/integration/testnet"
+)
+
+// BenchmarkCNIAdd measures what nftcni adds to a pod's CNI ADD: the same
+// primary chain (loopback + bridge + host-local) run by libcni from the
+// node netns, without nftcni, with nftcni for a pod outside the mesh, and
+// with nftcni for an enrolled pod (agent answering from its cache, ambient
+// ruleset programmed). The three run interleaved in every round, each into
+// a fresh netns, so drift on the machine hits them alike. Reported per
+// variant: median and p90 of ADD in ms, and the added latency (nftcni
+// minus primary only) at the median and p90. "exec" is the floor any
+// chained plugin pays: exec'ing nftcni for VERSION, measured in the same
+// rounds.
+func BenchmarkCNIAdd(b *testing.B) {
+	testnet.RequireRoot(b)
+	n := newCNINode(b, 70)
+	n.startAgent()
+	lists := map[string]*libcni.NetworkConfigList{
+		"primary":  n.list("bridge", "1.0.0", false, false),
+		"plain":    n.list("bridge", "1.0.0", true, false),
+		"enrolled": n.list("bridge", "1.0.0", true, false),
+	}
+	order := []string{"primary", "plain", "enrolled", "exec"}
+	samples := map[string][]time.Duration{}
+	b.StopTimer()
+	for i := 0; i < b.N; i++ {
+		for j := range order {
+			v := order[(i+j)%len(order)] // rotate who goes first
+			if v == "exec" {
+				// The floor: exec'ing the plugin for VERSION, no work at all.
+				start := time.Now()
+				_, err := (&invoke.RawExec{Stderr: os.Stderr}).ExecPlugin(context.Background(), filepath.Join(binDir, "nftcni"),
+					[]byte(`{"cniVersion":"1.0.0"}`), []string{"CNI_COMMAND=VERSION"})
+				samples[v] = append(samples[v], time.Since(start))
+				if err != nil {
+					b.Fatal(err)
+				}
+				continue
+			}
+			pod := testnet.NewNS(b, "nftbench")
+			namespace, name := plainNS, fmt.Sprintf("%s-%d", v, i)
+			if v == "enrolled" {
+				namespace = meshNS
+			}
+			n.pod(namespace, name, nil)
+			rt := runtimeConf(pod, namespace, name, nil)
+			start := time.Now()
+			_, err := n.add(lists[v], rt)
+			took := time.Since(start)
+			if err != nil {
+				b.Fatalf("%s ADD: %v", v, err)
+			}
+			samples[v] = append(samples[v], took)
+			if err := n.del(lists[v], rt); err != nil {
+				b.Fatalf("%s DEL: %v", v, err)
+			}
+			_ = exec.Command("ip", "netns", "del", pod.Name).Run()
+		}
+	}
+	if got := len(n.mesh.Members()); got != 0 {
+		b.Fatalf("agent still holds %d pods", got)
+	}
+	q := func(v string, p float64) float64 {
+		s := slices.Clone(samples[v])
+		slices.Sort(s)
+		return float64(s[int(p*float64(len(s)-1))]) / 1e6
+	}
+	for _, v := range order {
+		b.ReportMetric(q(v, 0.5), v+"-ms-median")
+		b.ReportMetric(q(v, 0.9), v+"-ms-p90")
+	}
+	b.ReportMetric(q("enrolled", 0.5)-q("primary", 0.5), "added-enrolled-ms-median")
+	b.ReportMetric(q("enrolled", 0.9)-q("primary", 0.9), "added-enrolled-ms-p90")
+	b.ReportMetric(q("plain", 0.5)-q("primary", 0.5), "added-plain-ms-median")
+	b.ReportMetric(q("enrolled", 0.5)*1e6, "ns/op")
+}
