@@ -43,6 +43,10 @@ if [ -n "$(metric primary-ms-median)" ]; then
 	printf "    %-34s %6.2f / %6.2f\n" "+ nftcni, enrolled (ambient)" "$(metric enrolled-ms-median)" "$(metric enrolled-ms-p90)"
 	printf "    %-34s %6.2f / %6.2f\n" "added by nftcni, enrolled" "$(metric added-enrolled-ms-median)" "$(metric added-enrolled-ms-p90)"
 	printf "    %-34s %6.2f\n" "added by nftcni, not enrolled" "$(metric added-plain-ms-median)"
+	printf "    %-34s %6.2f\n" "added by nftcni, excluded namespace" "$(metric added-excluded-ms-median)"
+	printf "    %-34s %6.2f\n" "added by reference tuning (no-op)" "$(metric added-tuning-ms-median)"
+	printf "    %-34s %6.2f\n" "nftcni beyond a no-op plugin, enrolled" "$(metric own-enrolled-ms-median)"
+	printf "    %-34s %6.2f\n" "nftcni beyond a no-op plugin, not enrolled" "$(metric own-plain-ms-median)"
 	printf "    %-34s %6.2f\n" "exec of nftcni for VERSION (floor)" "$(metric exec-ms-median)"
 fi
 printf "  plugin binary (static, stripped): %s bytes\n" "$(stat -c %s bin/nftcni)"

@@ -13,19 +13,22 @@ import (
 	"github.com/containernetworking/cni/libcni"
 	"github.com/containernetworking/cni/pkg/invoke"
 
+	"github.com/nftcni/nftcni/conflist"
 	"github.com/nftcni/nftcni/integration/testnet"
 )
 
 // BenchmarkCNIAdd measures what nftcni adds to a pod's CNI ADD: the same
 // primary chain (loopback + bridge + host-local) run by libcni from the
-// node netns, without nftcni, with nftcni for a pod outside the mesh, and
-// with nftcni for an enrolled pod (agent answering from its cache, ambient
-// ruleset programmed). The three run interleaved in every round, each into
+// node netns, without nftcni, with nftcni for a pod in an excluded
+// namespace (no agent contact), for a pod outside the mesh (one round trip
+// to the agent), and for an enrolled pod (agent answering from its cache,
+// ambient ruleset programmed). They run interleaved in every round, each into
 // a fresh netns, so drift on the machine hits them alike. Reported per
 // variant: median and p90 of ADD in ms, and the added latency (nftcni
 // minus primary only) at the median and p90. "exec" is the floor any
 // chained plugin pays: exec'ing nftcni for VERSION, measured in the same
-// rounds.
+// rounds, and "tuning" appends the reference tuning plugin with nothing to
+// tune instead of nftcni: what appending any chained plugin costs here.
 func BenchmarkCNIAdd(b *testing.B) {
 	testnet.RequireRoot(b)
 	n := newCNINode(b, 70)
@@ -34,8 +37,10 @@ func BenchmarkCNIAdd(b *testing.B) {
 		"primary":  n.list("bridge", "1.0.0", false, false),
 		"plain":    n.list("bridge", "1.0.0", true, false),
 		"enrolled": n.list("bridge", "1.0.0", true, false),
+		"excluded": n.list("bridge", "1.0.0", true, false),
+		"tuning":   withTuning(b, n.list("bridge", "1.0.0", false, false)),
 	}
-	order := []string{"primary", "plain", "enrolled", "exec"}
+	order := []string{"primary", "tuning", "excluded", "plain", "enrolled", "exec"}
 	samples := map[string][]time.Duration{}
 	b.StopTimer()
 	for i := 0; i < b.N; i++ {
@@ -54,8 +59,11 @@ func BenchmarkCNIAdd(b *testing.B) {
 			}
 			pod := testnet.NewNS(b, "nftbench")
 			namespace, name := plainNS, fmt.Sprintf("%s-%d", v, i)
-			if v == "enrolled" {
+			switch v {
+			case "enrolled":
 				namespace = meshNS
+			case "excluded":
+				namespace = "kube-system" // passes through without asking the agent
 			}
 			n.pod(namespace, name, nil)
 			rt := runtimeConf(pod, namespace, name, nil)
@@ -87,5 +95,24 @@ func BenchmarkCNIAdd(b *testing.B) {
 	b.ReportMetric(q("enrolled", 0.5)-q("primary", 0.5), "added-enrolled-ms-median")
 	b.ReportMetric(q("enrolled", 0.9)-q("primary", 0.9), "added-enrolled-ms-p90")
 	b.ReportMetric(q("plain", 0.5)-q("primary", 0.5), "added-plain-ms-median")
+	b.ReportMetric(q("excluded", 0.5)-q("primary", 0.5), "added-excluded-ms-median")
+	b.ReportMetric(q("tuning", 0.5)-q("primary", 0.5), "added-tuning-ms-median")
+	// What nftcni costs beyond being a chained plugin at all.
+	b.ReportMetric(q("enrolled", 0.5)-q("tuning", 0.5), "own-enrolled-ms-median")
+	b.ReportMetric(q("plain", 0.5)-q("tuning", 0.5), "own-plain-ms-median")
 	b.ReportMetric(q("enrolled", 0.5)*1e6, "ns/op")
+}
+
+// withTuning appends the reference tuning plugin with nothing to tune: the
+// cost of any chained plugin, for comparison.
+func withTuning(b *testing.B, l *libcni.NetworkConfigList) *libcni.NetworkConfigList {
+	doc, err := conflist.Insert(l.Bytes, "tuning", []byte(`{"type": "tuning"}`))
+	if err != nil {
+		b.Fatal(err)
+	}
+	out, err := libcni.NetworkConfFromBytes(doc)
+	if err != nil {
+		b.Fatal(err)
+	}
+	return out
 }

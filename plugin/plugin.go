@@ -264,22 +264,31 @@ func program(netns *os.File, d *wire.Decision) error {
 	return nft.Apply(int(netns.Fd()), rs)
 }
 
+// wouldEnrol answers from the agent's policy snapshot whether the agent
+// would enrol pod. No snapshot means no agent ever ran with this run dir,
+// so nothing is enrolled.
+func (c *call) wouldEnrol(pod *wire.Pod) (bool, string, error) {
+	pol, err := wire.ReadPolicy(c.conf.PolicyPath())
+	if errors.Is(err, os.ErrNotExist) {
+		return false, "no policy snapshot at " + c.conf.PolicyPath(), nil
+	}
+	if err != nil {
+		return false, "", err
+	}
+	enrol, why := pol.Fallback(pod.Namespace, pod.Key())
+	return enrol, why, nil
+}
+
 // agentDown applies the failure policy when the agent could not be asked.
 func (c *call) agentDown(pod *wire.Pod, cause error, prev *current.Result) error {
 	sock := c.conf.SocketPath()
-	pol, err := wire.ReadPolicy(c.conf.PolicyPath())
-	if errors.Is(err, os.ErrNotExist) {
-		// No agent has ever run here with this run dir: nothing is enrolled.
-		c.log.Warn("agent unreachable and no policy snapshot; letting the pod through", "socket", sock, "err", cause)
-		return c.result(prev)
-	}
+	enrol, why, err := c.wouldEnrol(pod)
 	if err != nil {
 		return types.NewError(types.ErrTryAgainLater,
 			fmt.Sprintf("nftcni: pod %s: the nftcni agent at %s cannot be reached (%v) and its policy snapshot is unreadable (%v)", pod.Key(), sock, cause, err), "")
 	}
-	enrol, why := pol.Fallback(pod.Namespace, pod.Key())
 	if !enrol {
-		c.log.Warn("agent unreachable; pod is not enrolled by the policy snapshot, letting it through", "socket", sock, "reason", why, "err", cause)
+		c.log.Warn("agent unreachable; the policy snapshot does not enrol this pod, letting it through", "socket", sock, "reason", why, "err", cause)
 		return c.result(prev)
 	}
 	return types.NewError(types.ErrTryAgainLater,
@@ -338,7 +347,15 @@ func (p *Plugin) Check(args *skel.CmdArgs) (err error) {
 	d := wire.SidecarFromAnnotations(pod.Annotations, wire.HasIPv6(pod.IPs))
 	if d == nil {
 		r, err := c.ask(&wire.Message{Kind: wire.KindCheck, Pod: pod}, nil, wire.KindDecision)
-		if err != nil {
+		var refused *agentError
+		switch {
+		case errors.As(err, &refused):
+			return fmt.Errorf("nftcni: pod %s: %w", pod.Key(), err)
+		case err != nil:
+			// Only a pod that should have rules needs the agent to check them.
+			if enrol, _, perr := c.wouldEnrol(pod); perr == nil && !enrol {
+				return nil
+			}
 			return types.NewError(types.ErrTryAgainLater, fmt.Sprintf("nftcni: pod %s: cannot verify its ruleset without the agent at %s: %v", pod.Key(), c.conf.SocketPath(), err), "")
 		}
 		d = r.Decision
