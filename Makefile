@@ -51,6 +51,8 @@ lint:
 FUZZTIME ?= 60s
 fuzz:
 	$(GO) test ./conflist -run '^$$' -fuzz FuzzInsert -fuzztime $(FUZZTIME)
+	$(GO) test ./plugin/wire -run '^$$' -fuzz FuzzDecode -fuzztime $(FUZZTIME)
+	$(GO) test ./plugin -run '^$$' -fuzz FuzzParseConfig -fuzztime $(FUZZTIME)
 
 clean:
 	rm -rf $(BIN)

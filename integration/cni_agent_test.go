@@ -14,6 +14,7 @@ import (
 	"github.com/containernetworking/cni/libcni"
 	"github.com/containernetworking/cni/pkg/types"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	corev1 "k8s.io/api/core/v1"
 
 	"github.com/nftcni/nftcni/integration/testnet"
 	"github.com/nftcni/nftcni/nft"
@@ -207,6 +208,36 @@ func TestCNISidecarFromRuntimeAnnotations(t *testing.T) {
 	}
 	if hasTable(t, pod) {
 		t.Error("table still there after DEL")
+	}
+}
+
+// Without runtime annotations the agent decides a sidecar pod from its
+// spec: here a proxy running as uid 2000, so the rules exempt uid 2000.
+func TestCNISidecarFromAgent(t *testing.T) {
+	n := newCNINode(t, 65)
+	n.startAgent()
+	full := n.list("bridge", "1.0.0", true, false)
+	uid := int64(2000)
+	p := n.pod(plainNS, "side", map[string]string{nft.AnnSidecarStatus: `{"containers":["istio-proxy"]}`})
+	p.Spec.Containers = []corev1.Container{{Name: "app"}, {Name: "istio-proxy", Args: []string{"proxy", "sidecar"},
+		SecurityContext: &corev1.SecurityContext{RunAsUser: &uid}}}
+	pod := testnet.NewNS(t, "nftpod")
+	rt := runtimeConf(pod, plainNS, "side", nil)
+	if _, err := n.add(full, rt); err != nil {
+		t.Fatalf("ADD: %v", err)
+	}
+	spec, err := nft.ParseSidecar(p.Annotations, nft.SidecarProxy{UID: 2000})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := nft.Verify(pod.FD, nft.Sidecar(spec)); err != nil {
+		t.Errorf("sidecar ruleset from the agent: %v", err)
+	}
+	if got := n.mesh.Members(); len(got) != 1 || got[0].Mode != wire.ModeSidecar {
+		t.Errorf("members %+v", got)
+	}
+	if err := n.del(full, rt); err != nil {
+		t.Errorf("DEL: %v", err)
 	}
 }
 

@@ -382,6 +382,13 @@ func testChain(t *testing.T, subnet int, shape, version string) {
 	if hasTable(t, plainPod) {
 		t.Error("a pod outside the mesh got our table")
 	}
+	if shape == "ptp" {
+		// portmap ran on its nftables backend next to our tables.
+		out, err := exec.Command("ip", "netns", "exec", n.node.Name, "nft", "list", "tables").CombinedOutput()
+		if err != nil || !strings.Contains(string(out), "cni_hostport") {
+			t.Errorf("portmap's nftables table is missing in the node netns: %v\n%s", err, out)
+		}
+	}
 	upstream := n.node.Listen(t, netip.AddrPortFrom(gateway(t, r), 8080).String(), false)
 	if _, err := plainPod.Dial(t, "tcp", upstream.Addr().String(), testnet.DialOpts{}); err != nil {
 		t.Fatalf("dial from the plain pod: %v", err)
