@@ -1,0 +1,412 @@
+package zds
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sys/unix"
+
+	"github.com/nftcni/nftcni/plugin/wire"
+)
+
+// DefaultSocket is where ztunnel looks for us (its INPOD_UDS).
+const DefaultSocket = "/var/run/ztunnel/ztunnel.sock"
+
+// ErrNoZtunnel is returned by Add when no ztunnel is connected: the pod's
+// ADD fails and the runtime retries, as with Istio ("no ztunnel connection").
+var ErrNoZtunnel = errors.New("no ztunnel connection")
+
+// Timeouts of the protocol.
+const (
+	helloTimeout = 5 * time.Second // ztunnel must say hello within this
+	ackTimeout   = 5 * time.Second // and answer every request within this
+	aliveEvery   = 2 * time.Second // how often an idle connection is checked for hang-up
+)
+
+// pod is a workload the agent has told (or will tell) ztunnel about.
+type pod struct {
+	info  WorkloadInfo
+	netns *os.File // nil: known without a netns (snapshot sends Keep)
+}
+
+// Server is the agent's end of ZDS.
+type Server struct {
+	log       *slog.Logger
+	connected prometheus.Gauge
+
+	mu    sync.Mutex
+	pods  map[string]*pod // by pod UID
+	conns []*conn         // oldest first; Add goes to the last
+}
+
+// NewServer returns a server; reg may be nil.
+func NewServer(log *slog.Logger, reg prometheus.Registerer) *Server {
+	g := prometheus.NewGauge(prometheus.GaugeOpts{Name: "ztunnel_connected", Help: "Whether a ztunnel is connected over ZDS (1) or not (0)."})
+	if reg != nil {
+		reg.MustRegister(g)
+	}
+	return &Server{log: log, connected: g, pods: map[string]*pod{}}
+}
+
+// Listen binds the ZDS socket: stale socket removed, anything else at the
+// path refused, mode 0600 (ztunnel runs as root; peers are checked too).
+func Listen(path string) (*net.UnixListener, error) {
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return nil, err
+	}
+	if st, err := os.Lstat(path); err == nil {
+		if st.Mode().Type() != fs.ModeSocket {
+			return nil, fmt.Errorf("%s exists and is not a socket; not removing it", path)
+		}
+		if err := os.Remove(path); err != nil {
+			return nil, err
+		}
+	}
+	l, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: path, Net: "unixpacket"})
+	if err != nil {
+		return nil, err
+	}
+	if err := os.Chmod(path, 0o600); err != nil {
+		l.Close()
+		return nil, err
+	}
+	return l, nil
+}
+
+// Serve accepts ztunnel connections until ctx ends.
+func (s *Server) Serve(ctx context.Context, l *net.UnixListener) error {
+	stop := context.AfterFunc(ctx, func() { l.Close() })
+	defer stop()
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	defer s.closeAll()
+	for {
+		uc, err := l.AcceptUnix()
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			if errors.Is(err, net.ErrClosed) {
+				return err
+			}
+			s.log.Warn("accept on the ZDS socket failed", "err", err)
+			time.Sleep(10 * time.Millisecond)
+			continue
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			s.handshake(ctx, uc)
+		}()
+	}
+}
+
+// Connected says whether any ztunnel is connected.
+func (s *Server) Connected() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.conns) > 0
+}
+
+// handshake runs hello and the snapshot, then registers the connection as
+// the newest and watches it for hang-up.
+func (s *Server) handshake(ctx context.Context, uc *net.UnixConn) {
+	if err := wire.RequireRoot(uc); err != nil {
+		s.log.Warn("refused a ZDS connection", "err", err)
+		uc.Close()
+		return
+	}
+	c := &conn{uc: uc}
+	_ = uc.SetReadDeadline(time.Now().Add(helloTimeout))
+	b, _, err := c.recv()
+	if err == nil {
+		var v uint64
+		if v, err = DecodeHello(b); err == nil && v != VersionV1 {
+			err = fmt.Errorf("unsupported ZDS version %d", v)
+		}
+	}
+	if err != nil {
+		s.log.Warn("ztunnel did not say hello", "err", err)
+		uc.Close()
+		return
+	}
+	// The snapshot and the registration happen under the lock, so no Add
+	// or Del slips between them.
+	s.mu.Lock()
+	uids := make([]string, 0, len(s.pods))
+	for uid := range s.pods {
+		uids = append(uids, uid)
+	}
+	sort.Strings(uids)
+	for _, uid := range uids {
+		p := s.pods[uid]
+		r := &Request{Kind: KindKeep, UID: uid}
+		if p.netns != nil {
+			r = &Request{Kind: KindAdd, UID: uid, Info: &p.info}
+		}
+		if err := c.request(r, p.netns); err != nil {
+			// ztunnel refusing one pod is logged; a broken connection ends it.
+			var refused *AckError
+			if !errors.As(err, &refused) {
+				s.mu.Unlock()
+				s.log.Warn("ZDS snapshot failed; waiting for ztunnel to reconnect", "err", err)
+				uc.Close()
+				return
+			}
+			s.log.Warn("ztunnel refused a pod in the snapshot", "uid", uid, "pod", p.info.Namespace+"/"+p.info.Name, "err", err)
+		}
+	}
+	if err := c.request(&Request{Kind: KindSnapshotSent}, nil); err != nil {
+		s.mu.Unlock()
+		s.log.Warn("ZDS snapshot failed; waiting for ztunnel to reconnect", "err", err)
+		uc.Close()
+		return
+	}
+	s.conns = append(s.conns, c)
+	s.connected.Set(1)
+	s.mu.Unlock()
+	s.log.Info("ztunnel connected", "snapshot", len(uids))
+	s.watch(ctx, c)
+}
+
+// watch checks an idle connection for hang-up and drops it when it goes.
+func (s *Server) watch(ctx context.Context, c *conn) {
+	t := time.NewTicker(aliveEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		c.mu.Lock()
+		alive := c.alive()
+		c.mu.Unlock()
+		if !alive {
+			s.drop(c, errors.New("ztunnel hung up"))
+			return
+		}
+		s.mu.Lock()
+		gone := !containsConn(s.conns, c)
+		s.mu.Unlock()
+		if gone {
+			return
+		}
+	}
+}
+
+func containsConn(cs []*conn, c *conn) bool {
+	for _, x := range cs {
+		if x == c {
+			return true
+		}
+	}
+	return false
+}
+
+// drop forgets a connection that failed.
+func (s *Server) drop(c *conn, why error) {
+	s.mu.Lock()
+	for i, x := range s.conns {
+		if x == c {
+			s.conns = append(s.conns[:i], s.conns[i+1:]...)
+			break
+		}
+	}
+	if len(s.conns) == 0 {
+		s.connected.Set(0)
+	}
+	s.mu.Unlock()
+	c.uc.Close()
+	s.log.Warn("ztunnel connection closed", "reason", why)
+}
+
+func (s *Server) closeAll() {
+	s.mu.Lock()
+	cs := s.conns
+	s.conns = nil
+	s.connected.Set(0)
+	s.mu.Unlock()
+	for _, c := range cs {
+		c.uc.Close()
+	}
+}
+
+// Add hands a pod's netns to the newest ztunnel and waits for its ack; the
+// pod is remembered (with a dup of netns) for later snapshots. With no
+// ztunnel connected it returns ErrNoZtunnel and remembers nothing.
+func (s *Server) Add(ctx context.Context, uid string, info WorkloadInfo, netns *os.File) error {
+	s.mu.Lock()
+	if len(s.conns) == 0 {
+		s.mu.Unlock()
+		return ErrNoZtunnel
+	}
+	c := s.conns[len(s.conns)-1]
+	s.mu.Unlock()
+	if err := c.requestLocked(&Request{Kind: KindAdd, UID: uid, Info: &info}, netns); err != nil {
+		var refused *AckError
+		if !errors.As(err, &refused) {
+			s.drop(c, err)
+		}
+		return fmt.Errorf("ztunnel AddWorkload %s: %w", uid, err)
+	}
+	s.Track(uid, info, netns)
+	return nil
+}
+
+// Track remembers a pod without telling ztunnel now (agent restart: pods
+// found enrolled); netns may be nil, and the next snapshot sends Keep.
+func (s *Server) Track(uid string, info WorkloadInfo, netns *os.File) {
+	var kept *os.File
+	if netns != nil {
+		if fd, err := unix.FcntlInt(netns.Fd(), unix.F_DUPFD_CLOEXEC, 0); err == nil {
+			kept = os.NewFile(uintptr(fd), "netns-"+uid)
+		}
+	}
+	s.mu.Lock()
+	old := s.pods[uid]
+	s.pods[uid] = &pod{info: info, netns: kept}
+	s.mu.Unlock()
+	if old != nil && old.netns != nil {
+		old.netns.Close()
+	}
+}
+
+// Del tells every connected ztunnel to drop the pod and forgets it.
+func (s *Server) Del(uid string) {
+	s.mu.Lock()
+	old := s.pods[uid]
+	delete(s.pods, uid)
+	cs := append([]*conn(nil), s.conns...)
+	s.mu.Unlock()
+	if old != nil && old.netns != nil {
+		old.netns.Close()
+	}
+	for _, c := range cs {
+		if err := c.requestLocked(&Request{Kind: KindDel, UID: uid}, nil); err != nil {
+			var refused *AckError
+			if !errors.As(err, &refused) {
+				s.drop(c, err)
+			}
+			s.log.Warn("ztunnel DelWorkload failed", "uid", uid, "err", err)
+		}
+	}
+}
+
+// Known lists the UIDs the server remembers, sorted.
+func (s *Server) Known() []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]string, 0, len(s.pods))
+	for uid := range s.pods {
+		out = append(out, uid)
+	}
+	sort.Strings(out)
+	return out
+}
+
+// AckError is ztunnel refusing a request.
+type AckError struct{ Msg string }
+
+func (e *AckError) Error() string { return "ztunnel refused: " + e.Msg }
+
+// conn is one ztunnel connection; requests are in lockstep with acks.
+type conn struct {
+	mu sync.Mutex
+	uc *net.UnixConn
+}
+
+func (c *conn) requestLocked(r *Request, fd *os.File) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.request(r, fd)
+}
+
+// request sends r (with fd on Add) and waits for its ack. c.mu is held.
+func (c *conn) request(r *Request, fd *os.File) error {
+	b, err := EncodeRequest(r)
+	if err != nil {
+		return err
+	}
+	var oob []byte
+	if fd != nil {
+		oob = unix.UnixRights(int(fd.Fd()))
+	}
+	_ = c.uc.SetDeadline(time.Now().Add(ackTimeout))
+	defer c.uc.SetDeadline(time.Time{})
+	if _, _, err := c.uc.WriteMsgUnix(b, oob, nil); err != nil {
+		return fmt.Errorf("sending %s: %w", r.Kind, err)
+	}
+	resp, fds, err := c.recv()
+	for _, f := range fds {
+		unix.Close(f)
+	}
+	if err != nil {
+		return fmt.Errorf("waiting for the ack of %s: %w", r.Kind, err)
+	}
+	msg, ok, err := DecodeAck(resp)
+	switch {
+	case err != nil:
+		return err
+	case !ok:
+		return fmt.Errorf("answer to %s is not an ack", r.Kind)
+	case msg != "":
+		return &AckError{Msg: msg}
+	}
+	return nil
+}
+
+// recv reads one message of at most MaxMessage bytes.
+func (c *conn) recv() ([]byte, []int, error) {
+	buf := make([]byte, MaxMessage)
+	oob := make([]byte, unix.CmsgSpace(4*4))
+	n, oobn, flags, _, err := c.uc.ReadMsgUnix(buf, oob)
+	var fds []int
+	if oobn > 0 {
+		if msgs, perr := unix.ParseSocketControlMessage(oob[:oobn]); perr == nil {
+			for i := range msgs {
+				if f, err := unix.ParseUnixRights(&msgs[i]); err == nil {
+					fds = append(fds, f...)
+				}
+			}
+		}
+	}
+	if err != nil {
+		return nil, fds, err
+	}
+	if n == 0 {
+		return nil, fds, errors.New("ztunnel closed the connection")
+	}
+	if flags&(unix.MSG_TRUNC|unix.MSG_CTRUNC) != 0 {
+		return nil, fds, fmt.Errorf("message over the %d-byte ZDS limit", MaxMessage)
+	}
+	return buf[:n], fds, nil
+}
+
+// alive polls the socket without blocking: a hang-up or an unsolicited
+// message (ztunnel only ever answers) means the connection is done.
+func (c *conn) alive() bool {
+	rc, err := c.uc.SyscallConn()
+	if err != nil {
+		return false
+	}
+	ok := true
+	_ = rc.Control(func(fd uintptr) {
+		p := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN | unix.POLLRDHUP}}
+		n, err := unix.Poll(p, 0)
+		if err != nil || (n > 0 && p[0].Revents != 0) {
+			ok = false
+		}
+	})
+	return ok
+}

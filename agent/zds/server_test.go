@@ -1,0 +1,176 @@
+package zds_test
+
+import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nftcni/nftcni/agent/zds"
+	"github.com/nftcni/nftcni/integration/testnet"
+	"github.com/nftcni/nftcni/integration/ztunneltest"
+)
+
+const wait = 3 * time.Second
+
+func serve(t *testing.T) (*zds.Server, string) {
+	t.Helper()
+	testnet.RequireRoot(t)
+	path := filepath.Join(t.TempDir(), "ztunnel", "ztunnel.sock")
+	l, err := zds.Listen(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := zds.NewServer(slog.New(slog.NewTextHandler(io.Discard, nil)), nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { _ = s.Serve(ctx, l); close(done) }()
+	t.Cleanup(func() { cancel(); <-done })
+	return s, path
+}
+
+// openNS opens the namespace's own descriptor for a test to hand over.
+func openNS(t *testing.T, n *testnet.NS) *os.File {
+	t.Helper()
+	f, err := os.Open(n.Path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Close() })
+	return f
+}
+
+func waitConnected(t *testing.T, s *zds.Server, want bool) {
+	t.Helper()
+	for deadline := time.Now().Add(wait); s.Connected() != want; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("connected never became %v", want)
+		}
+	}
+}
+
+func TestAddWithoutZtunnelFailsClosed(t *testing.T) {
+	s, _ := serve(t)
+	pod := testnet.NewNS(t, "nftzds")
+	f := openNS(t, pod)
+	err := s.Add(context.Background(), "u1", zds.WorkloadInfo{Name: "p"}, f)
+	if !errors.Is(err, zds.ErrNoZtunnel) {
+		t.Fatalf("Add with no ztunnel: %v", err)
+	}
+	if len(s.Known()) != 0 {
+		t.Error("a pod ztunnel never got was remembered")
+	}
+}
+
+// Hello, empty snapshot, Add into the pod netns with listeners opened
+// there, Del, and the socket's mode.
+func TestAddAndDel(t *testing.T) {
+	s, path := serve(t)
+	if st, err := os.Stat(path); err != nil || st.Mode().Perm() != 0o600 {
+		t.Fatalf("socket: %v %v", st.Mode(), err)
+	}
+	z := ztunneltest.Connect(t, path)
+	z.Wait(zds.KindSnapshotSent, "", wait)
+	waitConnected(t, s, true)
+
+	pod := testnet.NewNS(t, "nftzds")
+	f := openNS(t, pod)
+	info := zds.WorkloadInfo{Name: "cart", Namespace: "shop", ServiceAccount: "default"}
+	if err := s.Add(context.Background(), "uid-cart", info, f); err != nil {
+		t.Fatal(err)
+	}
+	e := z.Wait(zds.KindAdd, "uid-cart", wait)
+	if e.FDs != 1 || e.Info == nil || *e.Info != info {
+		t.Errorf("ztunnel got %+v", e)
+	}
+	// The listener really is inside the pod netns: dial it from there.
+	p := z.Pod("uid-cart")
+	if _, err := pod.Dial(t, "tcp", "127.0.0.1:15001", testnet.DialOpts{}); err != nil {
+		t.Fatalf("dial 15001 inside the pod: %v", err)
+	}
+	if _, err := testnet.Accept(t, p.Outbound, wait); err != nil {
+		t.Errorf("ztunnel's 15001 in the pod netns: %v", err)
+	}
+	s.Del("uid-cart")
+	z.Wait(zds.KindDel, "uid-cart", wait)
+	if z.Pod("uid-cart") != nil || len(s.Known()) != 0 {
+		t.Error("pod still known after Del")
+	}
+}
+
+// A reconnecting ztunnel gets every known pod: Add with a fd where the agent
+// has one, Keep where it does not, then SnapshotSent; Add goes to the newest
+// connection, Del to all.
+func TestSnapshotAndNewestConnection(t *testing.T) {
+	s, path := serve(t)
+	pod := testnet.NewNS(t, "nftzds")
+	f := openNS(t, pod)
+	s.Track("uid-a", zds.WorkloadInfo{Name: "a"}, f)
+	s.Track("uid-b", zds.WorkloadInfo{Name: "b"}, nil) // known from a restart, no netns
+	old := ztunneltest.Connect(t, path)
+	if e := old.Wait(zds.KindAdd, "uid-a", wait); e.FDs != 1 {
+		t.Errorf("snapshot Add carried %d fds", e.FDs)
+	}
+	if e := old.Wait(zds.KindKeep, "uid-b", wait); e.FDs != 0 {
+		t.Errorf("Keep carried %d fds", e.FDs)
+	}
+	old.Wait(zds.KindSnapshotSent, "", wait)
+	waitConnected(t, s, true)
+
+	newer := ztunneltest.Connect(t, path)
+	newer.Wait(zds.KindAdd, "uid-a", wait)
+	newer.Wait(zds.KindSnapshotSent, "", wait)
+	for deadline := time.Now().Add(wait); ; time.Sleep(5 * time.Millisecond) {
+		pod2 := testnet.NewNS(t, "nftzds")
+		if err := s.Add(context.Background(), "uid-c", zds.WorkloadInfo{Name: "c"}, openNS(t, pod2)); err != nil {
+			t.Fatal(err)
+		}
+		if newer.Pod("uid-c") != nil {
+			break // the newest connection got it (it registered after its snapshot)
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("Add never reached the newest ztunnel")
+		}
+	}
+	if old.Pod("uid-c") != nil {
+		t.Error("Add went to the old connection")
+	}
+	s.Del("uid-a")
+	old.Wait(zds.KindDel, "uid-a", wait)
+	newer.Wait(zds.KindDel, "uid-a", wait)
+	known := s.Known()
+	sort.Strings(known)
+	if strings.Join(known, ",") != "uid-b,uid-c" {
+		t.Errorf("known %v", known)
+	}
+}
+
+// ztunnel refusing an Add is an error for that pod only; ztunnel going away
+// is noticed and Add fails closed again.
+func TestRefusalAndHangUp(t *testing.T) {
+	s, path := serve(t)
+	z := ztunneltest.Connect(t, path)
+	z.Wait(zds.KindSnapshotSent, "", wait)
+	waitConnected(t, s, true)
+	z.Refuse("uid-x", "cannot enter netns")
+	pod := testnet.NewNS(t, "nftzds")
+	err := s.Add(context.Background(), "uid-x", zds.WorkloadInfo{}, openNS(t, pod))
+	var refused *zds.AckError
+	if !errors.As(err, &refused) || !strings.Contains(err.Error(), "cannot enter netns") {
+		t.Fatalf("refused Add: %v", err)
+	}
+	if !s.Connected() {
+		t.Fatal("a refusal dropped the connection")
+	}
+	z.Close()
+	waitConnected(t, s, false)
+	if err := s.Add(context.Background(), "uid-y", zds.WorkloadInfo{}, openNS(t, pod)); !errors.Is(err, zds.ErrNoZtunnel) {
+		t.Errorf("Add after hang-up: %v", err)
+	}
+}

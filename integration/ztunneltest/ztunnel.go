@@ -1,0 +1,263 @@
+// Package ztunneltest is a stand-in for ztunnel in tests: it speaks ZDS
+// from ztunnel's side (connect, hello, ack every request) and, for each
+// pod it receives, enters the pod's netns through the received fd and opens
+// listeners on 15001, 15006 and 15008 there with IP_TRANSPARENT and
+// ztunnel's mark, as ztunnel does. A test proves capture end to end by
+// dialling from the pod and seeing the connection land on these listeners.
+package ztunneltest
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/containernetworking/plugins/pkg/ns"
+	"golang.org/x/sys/unix"
+
+	"github.com/nftcni/nftcni/agent/zds"
+	"github.com/nftcni/nftcni/nft"
+)
+
+// Event is one request ztunnel received.
+type Event struct {
+	Kind zds.Kind
+	UID  string
+	Info *zds.WorkloadInfo
+	FDs  int
+}
+
+// Pod is a workload ztunnel proxies for.
+type Pod struct {
+	UID                      string
+	Info                     zds.WorkloadInfo
+	Outbound, Inbound, HBONE net.Listener
+	netns                    *os.File
+}
+
+func (p *Pod) close() {
+	for _, l := range []net.Listener{p.Outbound, p.Inbound, p.HBONE} {
+		if l != nil {
+			l.Close()
+		}
+	}
+	p.netns.Close()
+}
+
+// Ztunnel is one connection to the agent.
+type Ztunnel struct {
+	t      testing.TB
+	uc     *net.UnixConn
+	events chan Event
+	done   chan struct{}
+
+	mu     sync.Mutex
+	pods   map[string]*Pod
+	refuse map[string]string // uid -> error to ack Add with
+}
+
+// Connect dials the agent's ZDS socket (retrying for a while, as ztunnel
+// does) and says hello; the connection closes at test cleanup.
+func Connect(t testing.TB, path string) *Ztunnel {
+	t.Helper()
+	var uc *net.UnixConn
+	var err error
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		uc, err = net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: path, Net: "unixpacket"})
+		if err == nil || time.Now().After(deadline) {
+			break
+		}
+	}
+	if err != nil {
+		t.Fatalf("test ztunnel: connecting to %s: %v", path, err)
+	}
+	z := &Ztunnel{t: t, uc: uc, events: make(chan Event, 1024), done: make(chan struct{}),
+		pods: map[string]*Pod{}, refuse: map[string]string{}}
+	if _, err := uc.Write(zds.EncodeHello(zds.VersionV1)); err != nil {
+		t.Fatal(err)
+	}
+	go z.loop()
+	t.Cleanup(z.Close)
+	return z
+}
+
+// Close hangs up and closes every pod's listeners.
+func (z *Ztunnel) Close() {
+	z.uc.Close()
+	<-z.done
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	for uid, p := range z.pods {
+		p.close()
+		delete(z.pods, uid)
+	}
+}
+
+// Refuse makes the next Add of uid fail with msg.
+func (z *Ztunnel) Refuse(uid, msg string) {
+	z.mu.Lock()
+	z.refuse[uid] = msg
+	z.mu.Unlock()
+}
+
+// Pod returns the workload for uid, or nil.
+func (z *Ztunnel) Pod(uid string) *Pod {
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	return z.pods[uid]
+}
+
+// UIDs lists the workloads ztunnel holds.
+func (z *Ztunnel) UIDs() []string {
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	var out []string
+	for uid := range z.pods {
+		out = append(out, uid)
+	}
+	return out
+}
+
+// Wait returns the next event of kind for uid ("" = any), failing the
+// test after timeout. Other events are dropped.
+func (z *Ztunnel) Wait(kind zds.Kind, uid string, timeout time.Duration) Event {
+	z.t.Helper()
+	deadline := time.After(timeout)
+	for {
+		select {
+		case e := <-z.events:
+			if e.Kind == kind && (uid == "" || e.UID == uid) {
+				return e
+			}
+		case <-deadline:
+			z.t.Fatalf("test ztunnel: no %s for %q within %v", kind, uid, timeout)
+			return Event{}
+		}
+	}
+}
+
+func (z *Ztunnel) loop() {
+	defer close(z.done)
+	for {
+		buf := make([]byte, zds.MaxMessage)
+		oob := make([]byte, unix.CmsgSpace(4*4))
+		n, oobn, _, _, err := z.uc.ReadMsgUnix(buf, oob)
+		if err != nil || n == 0 {
+			return
+		}
+		var fds []int
+		if msgs, err := unix.ParseSocketControlMessage(oob[:oobn]); err == nil {
+			for i := range msgs {
+				if f, err := unix.ParseUnixRights(&msgs[i]); err == nil {
+					fds = append(fds, f...)
+				}
+			}
+		}
+		ack := z.handle(buf[:n], fds)
+		if _, err := z.uc.Write(zds.EncodeAck(ack)); err != nil {
+			return
+		}
+	}
+}
+
+// handle applies one request and returns the ack's error text.
+func (z *Ztunnel) handle(b []byte, fds []int) string {
+	r, err := zds.DecodeRequest(b)
+	if err != nil {
+		closeFDs(fds)
+		return err.Error()
+	}
+	z.events <- Event{Kind: r.Kind, UID: r.UID, Info: r.Info, FDs: len(fds)}
+	if r.Kind != zds.KindAdd {
+		closeFDs(fds)
+		if len(fds) > 0 {
+			return fmt.Sprintf("%s must not carry a descriptor", r.Kind)
+		}
+		if r.Kind == zds.KindDel {
+			z.mu.Lock()
+			if p := z.pods[r.UID]; p != nil {
+				p.close()
+				delete(z.pods, r.UID)
+			}
+			z.mu.Unlock()
+		}
+		return ""
+	}
+	if len(fds) != 1 {
+		closeFDs(fds)
+		return fmt.Sprintf("AddWorkload needs exactly one descriptor, got %d", len(fds))
+	}
+	z.mu.Lock()
+	msg, refused := z.refuse[r.UID]
+	delete(z.refuse, r.UID)
+	z.mu.Unlock()
+	netns := os.NewFile(uintptr(fds[0]), "netns-"+r.UID)
+	if refused {
+		netns.Close()
+		return msg
+	}
+	p := &Pod{UID: r.UID, netns: netns}
+	if r.Info != nil {
+		p.Info = *r.Info
+	}
+	if err := p.listen(); err != nil {
+		p.close()
+		return err.Error()
+	}
+	z.mu.Lock()
+	if old := z.pods[r.UID]; old != nil {
+		old.close()
+	}
+	z.pods[r.UID] = p
+	z.mu.Unlock()
+	return ""
+}
+
+func closeFDs(fds []int) {
+	for _, f := range fds {
+		unix.Close(f)
+	}
+}
+
+// listen opens ztunnel's three listeners inside the pod's netns.
+func (p *Pod) listen() error {
+	netns, err := ns.GetNS(fmt.Sprintf("/proc/self/fd/%d", p.netns.Fd()))
+	if err != nil {
+		return err
+	}
+	defer netns.Close()
+	lc := net.ListenConfig{Control: func(_, _ string, c syscall.RawConn) error {
+		var serr error
+		err := c.Control(func(fd uintptr) {
+			for _, o := range [][3]int{
+				{unix.SOL_IP, unix.IP_TRANSPARENT, 1},
+				{unix.SOL_IPV6, unix.IPV6_TRANSPARENT, 1},
+				{unix.SOL_SOCKET, unix.SO_MARK, int(nft.ZtunnelMark)},
+				{unix.SOL_SOCKET, unix.SO_REUSEPORT, 1},
+			} {
+				if e := unix.SetsockoptInt(int(fd), o[0], o[1], o[2]); e != nil && serr == nil && o[1] != unix.IPV6_TRANSPARENT {
+					serr = e
+				}
+			}
+		})
+		if err != nil {
+			return err
+		}
+		return serr
+	}}
+	return netns.Do(func(ns.NetNS) error {
+		var err error
+		if p.Outbound, err = lc.Listen(context.Background(), "tcp", "[::]:15001"); err != nil {
+			return err
+		}
+		if p.Inbound, err = lc.Listen(context.Background(), "tcp", "[::]:15006"); err != nil {
+			return err
+		}
+		p.HBONE, err = lc.Listen(context.Background(), "tcp", "[::]:15008")
+		return err
+	})
+}
