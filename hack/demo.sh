@@ -11,12 +11,16 @@ cd "$(dirname "$0")/.."
 AGENT=$PWD/bin/nftcni-agent
 PLUGIN=$PWD/bin/nftcni
 [ -x "$AGENT" ] && [ -x "$PLUGIN" ] || { echo "run 'make build' first"; exit 1; }
+[ "$(id -u)" = 0 ] || { echo "make demo needs root: it creates network namespaces"; exit 1; }
+[ -x "${NFTCNI_CNI_BIN:-}/bridge" ] || { echo "reference CNI plugins missing: run it as 'make demo'"; exit 1; }
 
 HOST=$(mktemp -d /tmp/nftcni-demo.XXXXXX)
 AGENT_PID=
+ZTUNNEL_PID=
 NETNS=()
 cleanup() {
 	[ -n "$AGENT_PID" ] && kill "$AGENT_PID" 2>/dev/null && wait "$AGENT_PID" 2>/dev/null || true
+	[ -n "$ZTUNNEL_PID" ] && kill "$ZTUNNEL_PID" 2>/dev/null && wait "$ZTUNNEL_PID" 2>/dev/null || true
 	for n in "${NETNS[@]}"; do ip netns del "$n" 2>/dev/null || true; done
 	rm -rf "$HOST"
 }
@@ -46,7 +50,14 @@ apiVersion: v1
 kind: Pod
 metadata: {name: batch, namespace: legacy, uid: 0c4f9a11-batch}
 YAML
-export CNI_CONF_DIR=$CONF CNI_BIN_DIR=$BIN PLUGIN_BINARY=$PLUGIN LOG_LEVEL=warn CNI_AGENT_RUN_DIR=$HOST/run
+# The "node": a netns of its own, standing in for the host netns (the probe
+# SNAT table goes there), so the demo never touches this machine's network.
+NODE=nftcni-demo-node-$$; CART=nftcni-demo-cart-$$; BATCH=nftcni-demo-batch-$$
+for n in "$NODE" "$CART" "$BATCH"; do ip netns add "$n"; NETNS+=("$n"); done
+ip -n "$NODE" link set lo up
+export CNI_CONF_DIR=$CONF CNI_BIN_DIR=$BIN PLUGIN_BINARY=$PLUGIN LOG_LEVEL=warn CNI_AGENT_RUN_DIR=$HOST/run \
+	HOST_NETNS=/var/run/netns/$NODE ZTUNNEL_UDS_ADDRESS=$HOST/ztunnel/ztunnel.sock
+go build -o "$HOST/ztunnel-stub" ./integration/cmd/ztunnel-stub
 
 step "A node with Calico's primary config in $CONF"
 ls -l "$CONF" "$BIN"
@@ -68,6 +79,10 @@ step "nftcni-agent run: watch and repair, and serve the plugin (pods and namespa
 LOG_LEVEL=info "$AGENT" run --health-addr 127.0.0.1:0 --monitoring-port 0 --on-exit keep --pod-source "$HOST/pods" 2>"$HOST/agent.log" &
 AGENT_PID=$!
 sleep 0.5
+step "a stand-in ztunnel connects to the agent over ZDS (integration/cmd/ztunnel-stub)"
+"$HOST/ztunnel-stub" "$ZTUNNEL_UDS_ADDRESS" >"$HOST/ztunnel.log" 2>&1 &
+ZTUNNEL_PID=$!
+sleep 0.3; cat "$HOST/ztunnel.log"
 
 step "calico-node restarts and rewrites its config, dropping our entry"
 cat "$HOST/original.conflist" >"$CONF/10-calico.conflist"
@@ -86,11 +101,7 @@ rm "$BIN/nftcni"
 for _ in $(seq 200); do [ -x "$BIN/nftcni" ] && break; sleep 0.01; done
 ls -l "$BIN/nftcni"
 
-if [ "$(id -u)" = 0 ] && [ -x "${NFTCNI_CNI_BIN:-}/bridge" ]; then
-	step "Pods: the node's primary CNI becomes the reference bridge plugin (05-bridge.conflist sorts first)"
-	NODE=nftcni-demo-node-$$; CART=nftcni-demo-cart-$$; BATCH=nftcni-demo-batch-$$
-	for n in "$NODE" "$CART" "$BATCH"; do ip netns add "$n"; NETNS+=("$n"); done
-	ip -n "$NODE" link set lo up
+step "Pods: the node's primary CNI becomes the reference bridge plugin (05-bridge.conflist sorts first)"
 	cat >"$CONF/05-bridge.conflist" <<JSON
 {
   "cniVersion": "1.0.0",
@@ -111,9 +122,16 @@ JSON
 	}
 	step "cnitool add shop/cart (namespace shop is labelled istio.io/dataplane-mode=ambient)"
 	cni add "$CART" shop cart | grep -E '"address"'
-	echo "its netns now holds our table (read back with nft, which nftcni itself never runs):"
+	echo "ztunnel got the pod's netns first (ZDS AddWorkload with the fd the plugin handed over):"
+	grep AddWorkload "$HOST/ztunnel.log"
+	echo "then the pod's netns got our table (read back with nft, which nftcni itself never runs):"
 	ip netns exec "$CART" nft list table inet nftcni | grep -E 'chain|redirect|tproxy|dnat' | head -12
 	echo "policy routing: $(ip -n "$CART" rule show | grep 'lookup 100')"
+	echo "and the node's probe SNAT set holds the pod IP, commented with its UID:"
+	ip netns exec "$NODE" nft list set inet nftcni-host probe-v4 | grep -A1 elements
+	step "shop/cart opens a TCP connection to 10.123.0.1:80: it lands on ztunnel's 15001 in the pod"
+	ip netns exec "$CART" bash -c 'exec 3<>/dev/tcp/10.123.0.1/80' || true
+	sleep 0.2; grep 'landed' "$HOST/ztunnel.log"
 	step "cnitool add legacy/batch (not in the mesh): no rules"
 	cni add "$BATCH" legacy batch | grep -E '"address"'
 	ip netns exec "$BATCH" nft list tables | grep -q nftcni && { echo "unexpected table"; exit 1; } || echo "no nftcni table in legacy/batch"
@@ -124,10 +142,8 @@ JSON
 	step "DEL removes everything (and a second DEL is fine)"
 	cni del "$CART" shop cart; cni del "$CART" shop cart; cni del "$BATCH" legacy batch
 	ip netns exec "$CART" nft list tables | grep -q nftcni && { echo "table left"; exit 1; } || echo "no table left in shop/cart"
+	grep DelWorkload "$HOST/ztunnel.log"
 	rm "$CONF/05-bridge.conflist"
-else
-	step "Pods: skipped (needs root for network namespaces, and the reference plugins from 'make cni-plugins')"
-fi
 
 step "agent stops (a restart or upgrade: --on-exit keep leaves the install in place)"
 kill "$AGENT_PID"; wait "$AGENT_PID" || true; AGENT_PID=

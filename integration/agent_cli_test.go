@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/nftcni/nftcni/conflist"
+	"github.com/nftcni/nftcni/integration/testnet"
 )
 
 var binDir string
@@ -43,8 +44,11 @@ func TestMain(m *testing.M) {
 }
 
 type host struct {
-	conf, bin, run string
-	orig           []byte
+	conf, bin, run, zsock string
+	// netns stands in for the host netns (the probe SNAT table goes there),
+	// so no test touches the machine's own.
+	netns *testnet.NS
+	orig  []byte
 }
 
 const primary = "10-calico.conflist"
@@ -52,7 +56,9 @@ const primary = "10-calico.conflist"
 func newHost(t *testing.T) *host {
 	t.Helper()
 	root := t.TempDir()
-	h := &host{conf: filepath.Join(root, "net.d"), bin: filepath.Join(root, "bin"), run: filepath.Join(root, "run")}
+	testnet.RequireRoot(t)
+	h := &host{conf: filepath.Join(root, "net.d"), bin: filepath.Join(root, "bin"), run: filepath.Join(root, "run"),
+		zsock: filepath.Join(root, "ztunnel", "ztunnel.sock"), netns: testnet.NewNS(t, "nfthost")}
 	for _, d := range []string{h.conf, h.bin} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			t.Fatal(err)
@@ -75,6 +81,7 @@ func (h *host) agent(args ...string) *exec.Cmd {
 	cmd := exec.Command(filepath.Join(binDir, "nftcni-agent"), args...)
 	cmd.Env = append(os.Environ(),
 		"CNI_CONF_DIR="+h.conf, "CNI_BIN_DIR="+h.bin, "CNI_AGENT_RUN_DIR="+h.run,
+		"ZTUNNEL_UDS_ADDRESS="+h.zsock, "HOST_NETNS="+h.netns.Path,
 		"PLUGIN_BINARY="+filepath.Join(binDir, "nftcni"), "LOG_LEVEL=info")
 	return cmd
 }

@@ -11,7 +11,9 @@ import (
 
 	"github.com/containernetworking/cni/libcni"
 
+	"github.com/nftcni/nftcni/agent/zds"
 	"github.com/nftcni/nftcni/integration/testnet"
+	"github.com/nftcni/nftcni/integration/ztunneltest"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
 
@@ -52,6 +54,8 @@ func TestAgentProcessServesThePlugin(t *testing.T) {
 	}
 	cmd, addr, logs := startAgent(t, h, "--pod-source", src, "--plugin-log-level", "debug")
 	waitReady(t, addr)
+	z := ztunneltest.Connect(t, h.zsock)
+	z.Wait(zds.KindSnapshotSent, "", 5*time.Second)
 	n.cni = libcni.NewCNIConfigWithCacheDir([]string{h.bin, referencePlugins(t)}, t.TempDir(), nil)
 	list, err := libcni.ConfListFromFile(primary)
 	if err != nil {
@@ -70,6 +74,15 @@ func TestAgentProcessServesThePlugin(t *testing.T) {
 	}
 	if !hasTable(t, app) || hasTable(t, web) {
 		t.Errorf("tables: mesh/app %v (want true), plain/web %v (want false)", hasTable(t, app), hasTable(t, web))
+	}
+	// The agent process handed mesh/app's netns to ztunnel, whose listener
+	// in the pod now takes the pod's outbound TCP.
+	z.Wait(zds.KindAdd, "uid-app", 5*time.Second)
+	if _, err := app.Dial(t, "tcp", "192.0.2.1:443", testnet.DialOpts{}); err != nil {
+		t.Fatalf("dial from mesh/app: %v", err)
+	}
+	if _, err := testnet.Accept(t, z.Pod("uid-app").Outbound, 2*time.Second); err != nil {
+		t.Errorf("mesh/app's outbound did not reach ztunnel: %v", err)
 	}
 
 	// Label the other namespace: the snapshot follows the pod source.

@@ -134,8 +134,13 @@ func TestCNIConcurrentAdds(t *testing.T) {
 	if got := len(n.mesh.Members()); got != pods {
 		t.Errorf("agent enrolled %d pods, want %d", got, pods)
 	}
-	if got := fdCount(t); got != fds+pods {
-		t.Errorf("descriptors after %d ADDs: %d, want %d (one kept netns per pod)", pods, got, fds+pods)
+	// Per pod, this process holds: the mesh's and the ZDS server's kept
+	// netns, and the test ztunnel's netns and three listeners.
+	if got := fdCount(t); got != fds+6*pods {
+		t.Errorf("descriptors after %d ADDs: %d, want %d (6 per pod)", pods, got, fds+6*pods)
+	}
+	if got := len(n.ztunnel.UIDs()); got != pods {
+		t.Errorf("ztunnel holds %d pods, want %d", got, pods)
 	}
 	for i, err := range run(func(i int) error { return n.del(full, rts[i]) }) {
 		if err != nil {

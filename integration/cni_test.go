@@ -28,8 +28,10 @@ import (
 	"github.com/nftcni/nftcni/agent/enablement"
 	"github.com/nftcni/nftcni/agent/events"
 	"github.com/nftcni/nftcni/agent/mesh"
+	"github.com/nftcni/nftcni/agent/zds"
 	"github.com/nftcni/nftcni/conflist"
 	"github.com/nftcni/nftcni/integration/testnet"
+	"github.com/nftcni/nftcni/integration/ztunneltest"
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
 	"github.com/nftcni/nftcni/templates"
@@ -85,6 +87,11 @@ type cniNode struct {
 	metrics *events.Metrics
 	log     *syncBuffer
 	stop    func()
+	// zds is the agent's ZDS server on zsock; ztunnel is the test ztunnel
+	// startAgent connects to it.
+	zds     *zds.Server
+	zsock   string
+	ztunnel *ztunneltest.Ztunnel
 }
 
 const (
@@ -106,17 +113,58 @@ func newCNINode(t testing.TB, subnet int) *cniNode {
 	if err != nil {
 		t.Fatal(err)
 	}
-	n.mesh = mesh.New(pol, n.store, n.run, slog.New(slog.NewTextHandler(n.log, nil)))
+	logger := slog.New(slog.NewTextHandler(n.log, nil))
+	// ZDS towards ztunnel, and the node netns standing in for the host
+	// netns, where the probe SNAT table goes.
+	n.zsock = filepath.Join(root, "ztunnel", "ztunnel.sock")
+	l, err := zds.Listen(n.zsock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.zds = zds.NewServer(logger, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { _ = n.zds.Serve(ctx, l); close(done) }()
+	t.Cleanup(func() { cancel(); <-done })
+	hostNetns, err := os.Open(n.node.Path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { hostNetns.Close() })
+	n.mesh = mesh.New(pol, n.store, mesh.Options{RunDir: n.run, Log: logger, Ztunnel: n.zds, HostNetns: hostNetns, IPv6: true})
 	n.mesh.LookupRetries = 2
 	t.Cleanup(n.mesh.Close)
 	return n
 }
 
-// startAgent serves the plugin socket until stopAgent or the test's end.
+// probeSet lists the host probe set's v4 elements in the node netns.
+func (n *cniNode) probeSet(t *testing.T) string {
+	t.Helper()
+	out, err := exec.Command("ip", "netns", "exec", n.node.Name, "nft", "list", "set", "inet", nft.HostTable, "probe-v4").CombinedOutput()
+	if err != nil {
+		t.Fatalf("listing the probe set: %v\n%s", err, out)
+	}
+	return string(out)
+}
+
+// startAgent serves the plugin socket until stopAgent or the test's end,
+// with the host probe table in place and a test ztunnel connected.
 func (n *cniNode) startAgent() {
 	t := n.t
 	if err := n.mesh.WritePolicy(); err != nil {
 		t.Fatal(err)
+	}
+	if _, err := n.mesh.EnsureHost(); err != nil {
+		t.Fatal(err)
+	}
+	if n.ztunnel == nil {
+		n.ztunnel = ztunneltest.Connect(t, n.zsock)
+		n.ztunnel.Wait(zds.KindSnapshotSent, "", 3*time.Second)
+		for deadline := time.Now().Add(3 * time.Second); !n.zds.Connected(); time.Sleep(5 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatal("test ztunnel never registered")
+			}
+		}
 	}
 	l, err := events.Listen(filepath.Join(n.run, wire.SocketName))
 	if err != nil {
@@ -266,6 +314,21 @@ func hasTable(t *testing.T, pod *testnet.NS) bool {
 	return strings.Contains(string(out), "table inet "+nft.PodTable)
 }
 
+// podIPs are the addresses a result gives the pod.
+func podIPs(t *testing.T, r types.Result) []netip.Addr {
+	t.Helper()
+	res, err := current.NewResultFromResult(r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []netip.Addr
+	for _, ip := range res.IPs {
+		a, _ := netip.AddrFromSlice(ip.Address.IP)
+		out = append(out, a.Unmap())
+	}
+	return out
+}
+
 // gateway is the node side of the pod's network (bridge or ptp host end).
 func gateway(t *testing.T, r types.Result) netip.Addr {
 	t.Helper()
@@ -321,15 +384,24 @@ func testChain(t *testing.T, subnet int, shape, version string) {
 		t.Errorf("plugin logs were not forwarded to the agent:\n%s", n.log)
 	}
 
-	// Its outbound TCP lands on the listener standing in for ztunnel.
+	// ztunnel got the pod's netns over ZDS before the rules went in, its
+	// IPs are in the host probe set, and its outbound TCP lands on the
+	// 15001 listener ztunnel opened inside the pod.
+	e := n.ztunnel.Wait(zds.KindAdd, "uid-app", 2*time.Second)
+	if e.Info == nil || e.Info.Name != "app" || e.Info.Namespace != meshNS {
+		t.Errorf("ZDS Add carried %+v", e.Info)
+	}
+	podIP := podIPs(t, prev)[0]
+	if set := n.probeSet(t); !strings.Contains(set, podIP.String()+` comment "uid-app"`) {
+		t.Errorf("host probe set lacks %s for uid-app:\n%s", podIP, set)
+	}
 	gw := gateway(t, prev)
-	ztunnel := enrolled.Listen(t, ":15001", false)
 	if _, err := enrolled.Dial(t, "tcp", netip.AddrPortFrom(gw, 80).String(), testnet.DialOpts{}); err != nil {
 		t.Fatalf("dial from the enrolled pod: %v", err)
 	}
-	a, err := testnet.Accept(t, ztunnel, 2*time.Second)
+	a, err := testnet.Accept(t, n.ztunnel.Pod("uid-app").Outbound, 2*time.Second)
 	if err != nil {
-		t.Fatalf("outbound TCP did not land on 15001: %v", err)
+		t.Fatalf("outbound TCP did not land on ztunnel's 15001: %v", err)
 	}
 	if a.OrigDst != netip.AddrPortFrom(gw, 80) {
 		t.Errorf("original destination %v, want %v", a.OrigDst, netip.AddrPortFrom(gw, 80))
@@ -361,6 +433,10 @@ func testChain(t *testing.T, subnet int, shape, version string) {
 	}
 	if len(n.mesh.Members()) != 0 {
 		t.Errorf("agent still holds %v after DEL", n.mesh.Members())
+	}
+	n.ztunnel.Wait(zds.KindDel, "uid-app", 2*time.Second)
+	if set := n.probeSet(t); strings.Contains(set, podIP.String()) {
+		t.Errorf("host probe set still holds %s after DEL:\n%s", podIP, set)
 	}
 	if err := n.del(full, rt); err != nil {
 		t.Errorf("second DEL: %v", err)

@@ -3,6 +3,8 @@ package nft
 import (
 	"fmt"
 	"net/netip"
+	"slices"
+	"strings"
 
 	"github.com/google/nftables"
 )
@@ -162,5 +164,35 @@ func probeOwners(c *nftables.Conn) (map[string]map[netip.Addr]string, error) {
 	if _, ok := out[probeSetV4]; !ok {
 		return nil, fmt.Errorf("table inet %s has no set %s (is the host table in place?)", HostTable, probeSetV4)
 	}
+	return out, nil
+}
+
+// ProbeMembers reads the host probe sets back as members (UID -> IPs);
+// none when the host table is absent.
+func ProbeMembers(fd int) ([]Member, error) {
+	c, err := conn(fd)
+	if err != nil {
+		return nil, err
+	}
+	defer c.CloseLasting()
+	if have, err := ourTables(c, []string{HostTable}); err != nil || !have[HostTable] {
+		return nil, err
+	}
+	owners, err := probeOwners(c)
+	if err != nil {
+		return nil, nil // a table without our sets is drift: nothing to keep
+	}
+	byUID := map[string][]netip.Addr{}
+	for _, set := range []string{probeSetV4, probeSetV6} {
+		for ip, uid := range owners[set] {
+			byUID[uid] = append(byUID[uid], ip)
+		}
+	}
+	out := make([]Member, 0, len(byUID))
+	for uid, ips := range byUID {
+		slices.SortFunc(ips, netip.Addr.Compare)
+		out = append(out, Member{UID: uid, IPs: ips})
+	}
+	slices.SortFunc(out, func(a, b Member) int { return strings.Compare(a.UID, b.UID) })
 	return out, nil
 }

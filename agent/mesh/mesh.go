@@ -19,6 +19,7 @@ import (
 
 	"github.com/nftcni/nftcni/agent/enablement"
 	"github.com/nftcni/nftcni/agent/events"
+	"github.com/nftcni/nftcni/agent/zds"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
 
@@ -35,14 +36,42 @@ type Store interface {
 type Member struct {
 	Pod  wire.Pod
 	Mode wire.Mode
+	// UID is the pod's UID (from CNI_ARGS, else the store).
+	UID string
 	// netns is our own dup of the descriptor the plugin sent.
 	netns *os.File
+}
+
+// Ztunnel is where ambient pods' netns go (package zds).
+type Ztunnel interface {
+	Add(ctx context.Context, uid string, info zds.WorkloadInfo, netns *os.File) error
+	Del(uid string)
+}
+
+// Annotator records a pod's enrolment state on the pod itself
+// (ambient.istio.io/redirection); state "" removes it.
+type Annotator interface {
+	SetRedirection(ctx context.Context, namespace, name, state string) error
+}
+
+// Options are the parts of the node a Mesh works with; nil ones are
+// skipped (tests, the demo, hosts without ztunnel).
+type Options struct {
+	RunDir    string // where the policy snapshot is kept
+	Ztunnel   Ztunnel
+	Annotator Annotator
+	// HostNetns is the host's netns, where the probe SNAT table lives.
+	HostNetns *os.File
+	// IPv6 adds the v6 probe set.
+	IPv6 bool
+	Log  *slog.Logger
 }
 
 // Mesh implements events.Handler.
 type Mesh struct {
 	policy *enablement.Policy
 	store  Store
+	opts   Options
 	runDir string
 	log    *slog.Logger
 
@@ -51,16 +80,20 @@ type Mesh struct {
 	LookupRetries int
 	LookupDelay   time.Duration
 
+	// hostMu orders host probe set changes with member changes.
+	hostMu  sync.Mutex
 	mu      sync.Mutex
 	members map[wire.Attachment]*Member
 }
 
 var _ events.Handler = (*Mesh)(nil)
 
-// New returns a Mesh; runDir is where the policy snapshot is kept ("" for
-// none).
-func New(policy *enablement.Policy, store Store, runDir string, log *slog.Logger) *Mesh {
-	return &Mesh{policy: policy, store: store, runDir: runDir, log: log,
+// New returns a Mesh.
+func New(policy *enablement.Policy, store Store, opts Options) *Mesh {
+	if opts.Log == nil {
+		opts.Log = slog.New(slog.DiscardHandler)
+	}
+	return &Mesh{policy: policy, store: store, opts: opts, runDir: opts.RunDir, log: opts.Log,
 		LookupRetries: 10, LookupDelay: 10 * time.Millisecond, members: map[wire.Attachment]*Member{}}
 }
 
@@ -87,15 +120,45 @@ func (m *Mesh) Decide(ctx context.Context, p *wire.Pod) (*wire.Decision, error) 
 	return m.policy.Decide(pod, ns, p.IPs), nil
 }
 
-// Prepare has nothing to do before the rules until ztunnel is wired in.
-func (m *Mesh) Prepare(ctx context.Context, p *wire.Pod, d *wire.Decision, netns *os.File) error {
-	return nil
+// uid is the pod's UID: the runtime's, else the store's.
+func (m *Mesh) uid(p *wire.Pod) string {
+	if p.UID != "" {
+		return p.UID
+	}
+	if pod := m.store.Pod(p.Namespace, p.Name); pod != nil {
+		return string(pod.UID)
+	}
+	return p.Key()
 }
 
-// Enrolled records a pod whose rules are in place, keeping a dup of its
-// netns for unenrolment.
+func (m *Mesh) workload(p *wire.Pod) zds.WorkloadInfo {
+	info := zds.WorkloadInfo{Name: p.Name, Namespace: p.Namespace}
+	if pod := m.store.Pod(p.Namespace, p.Name); pod != nil {
+		info.ServiceAccount = pod.Spec.ServiceAccountName
+	}
+	return info
+}
+
+// Prepare hands an ambient pod's netns to ztunnel and waits for its ack,
+// before any rule exists: a pod whose traffic ztunnel cannot take never
+// gets rules that would send it there. No ztunnel: the ADD fails and the
+// runtime retries.
+func (m *Mesh) Prepare(ctx context.Context, p *wire.Pod, d *wire.Decision, netns *os.File) error {
+	if d.Mode != wire.ModeAmbient || m.opts.Ztunnel == nil {
+		return nil
+	}
+	return m.opts.Ztunnel.Add(ctx, m.uid(p), m.workload(p), netns)
+}
+
+// Enrolled completes an enrolment once the rules are in place: the pod's
+// IPs go into the host probe set and the pod is annotated enabled; only
+// then is it a member. If the rules failed, ztunnel is told to let go.
 func (m *Mesh) Enrolled(ctx context.Context, p *wire.Pod, d *wire.Decision, netns *os.File, programErr error) error {
+	uid := m.uid(p)
 	if programErr != nil {
+		if d.Mode == wire.ModeAmbient && m.opts.Ztunnel != nil {
+			m.opts.Ztunnel.Del(uid)
+		}
 		m.forget(p.Attachment)
 		return nil
 	}
@@ -103,20 +166,65 @@ func (m *Mesh) Enrolled(ctx context.Context, p *wire.Pod, d *wire.Decision, netn
 	if err != nil {
 		return fmt.Errorf("keeping the netns of pod %s: %w", p.Key(), err)
 	}
-	m.mu.Lock()
-	old := m.members[p.Attachment]
-	m.members[p.Attachment] = &Member{Pod: *p, Mode: d.Mode, netns: fd}
-	m.mu.Unlock()
+	// The probe set and the members change together, so the host guard
+	// never sees one without the other.
+	m.hostMu.Lock()
+	if d.Mode == wire.ModeAmbient {
+		err = m.addProbe(uid, p.IPs)
+	}
+	var old *Member
+	if err == nil {
+		m.mu.Lock()
+		old = m.members[p.Attachment]
+		m.members[p.Attachment] = &Member{Pod: *p, Mode: d.Mode, UID: uid, netns: fd}
+		m.mu.Unlock()
+	}
+	m.hostMu.Unlock()
+	if err != nil {
+		fd.Close()
+		return err
+	}
 	if old != nil {
 		old.netns.Close()
 	}
-	m.log.Info("pod enrolled", "pod", p.Key(), "mode", d.Mode, "containerID", p.ContainerID)
+	if d.Mode == wire.ModeAmbient && m.opts.Annotator != nil {
+		// A failure here fails the ADD; the runtime's DEL then undoes the rest.
+		if err := m.opts.Annotator.SetRedirection(ctx, p.Namespace, p.Name, RedirectionEnabled); err != nil {
+			return fmt.Errorf("annotating pod %s %s=%s: %w", p.Key(), enablement.AnnRedirection, RedirectionEnabled, err)
+		}
+	}
+	m.log.Info("pod enrolled", "pod", p.Key(), "mode", d.Mode, "uid", uid, "containerID", p.ContainerID)
 	return nil
 }
 
-// Deleted forgets the pod's attachment.
+// Redirection annotation values, as Istio writes them.
+const (
+	RedirectionEnabled = "enabled"
+	RedirectionPending = "pending"
+)
+
+// Deleted is the pod's DEL: ztunnel lets go, the probe set forgets its IPs,
+// and the kept netns is closed. The pod's own rules went with DEL already.
 func (m *Mesh) Deleted(ctx context.Context, p *wire.Pod) error {
-	if m.forget(p.Attachment) {
+	m.mu.Lock()
+	mb := m.members[p.Attachment]
+	m.mu.Unlock()
+	uid := m.uid(p)
+	if mb != nil {
+		uid = mb.UID
+	}
+	if m.opts.Ztunnel != nil && (mb == nil || mb.Mode == wire.ModeAmbient) {
+		m.opts.Ztunnel.Del(uid) // also for a pod we never finished: ztunnel may hold it
+	}
+	m.hostMu.Lock()
+	if mb != nil && mb.Mode == wire.ModeAmbient {
+		if err := m.removeProbe(uid, mb.Pod.IPs); err != nil {
+			m.log.Warn("could not remove a deleted pod's IPs from the host probe set; the guard will", "pod", p.Key(), "err", err)
+		}
+	}
+	forgot := m.forget(p.Attachment)
+	m.hostMu.Unlock()
+	if forgot {
 		m.log.Info("pod removed", "pod", p.Key(), "containerID", p.ContainerID)
 	}
 	return nil

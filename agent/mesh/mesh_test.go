@@ -29,7 +29,7 @@ func newMesh(t *testing.T) (*Mesh, *MemStore) {
 	s.PutPod(&corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "a", UID: "uid-a"}})
 	s.PutPod(&corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "out", Labels: map[string]string{enablement.LabelDataplaneMode: "none"}}})
 	s.PutPod(&corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "plain", Name: "b"}})
-	m := New(pol, s, t.TempDir(), slog.New(slog.NewTextHandler(io.Discard, nil)))
+	m := New(pol, s, Options{RunDir: t.TempDir(), Log: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	m.LookupRetries = 1
 	t.Cleanup(m.Close)
 	return m, s

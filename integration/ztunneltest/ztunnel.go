@@ -64,30 +64,48 @@ type Ztunnel struct {
 // does) and says hello; the connection closes at test cleanup.
 func Connect(t testing.TB, path string) *Ztunnel {
 	t.Helper()
+	z, err := Dial(path, 5*time.Second)
+	if err != nil {
+		t.Fatalf("test ztunnel: %v", err)
+	}
+	z.t = t
+	t.Cleanup(z.Close)
+	return z
+}
+
+// Dial is Connect without a test: for the demo's ztunnel stub. Events
+// are delivered on Events().
+func Dial(path string, retry time.Duration) (*Ztunnel, error) {
 	var uc *net.UnixConn
 	var err error
-	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+	for deadline := time.Now().Add(retry); ; time.Sleep(10 * time.Millisecond) {
 		uc, err = net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: path, Net: "unixpacket"})
 		if err == nil || time.Now().After(deadline) {
 			break
 		}
 	}
 	if err != nil {
-		t.Fatalf("test ztunnel: connecting to %s: %v", path, err)
+		return nil, fmt.Errorf("connecting to %s: %w", path, err)
 	}
-	z := &Ztunnel{t: t, uc: uc, events: make(chan Event, 1024), done: make(chan struct{}),
+	z := &Ztunnel{uc: uc, events: make(chan Event, 1024), done: make(chan struct{}),
 		pods: map[string]*Pod{}, refuse: map[string]string{}}
 	if _, err := uc.Write(zds.EncodeHello(zds.VersionV1)); err != nil {
-		t.Fatal(err)
+		uc.Close()
+		return nil, err
 	}
 	go z.loop()
-	t.Cleanup(z.Close)
-	return z
+	return z, nil
 }
+
+// Events delivers every request as it is handled (the demo's log).
+func (z *Ztunnel) Events() <-chan Event { return z.events }
+
+// Done is closed when the agent hangs up.
+func (z *Ztunnel) Done() <-chan struct{} { return z.done }
 
 // Close hangs up and closes every pod's listeners.
 func (z *Ztunnel) Close() {
-	z.uc.Close()
+	_ = z.uc.Close()
 	<-z.done
 	z.mu.Lock()
 	defer z.mu.Unlock()
@@ -171,7 +189,14 @@ func (z *Ztunnel) handle(b []byte, fds []int) string {
 		closeFDs(fds)
 		return err.Error()
 	}
-	z.events <- Event{Kind: r.Kind, UID: r.UID, Info: r.Info, FDs: len(fds)}
+	// The event goes out once the request is applied, so a reader sees the
+	// pod's listeners in place.
+	defer func() {
+		select {
+		case z.events <- Event{Kind: r.Kind, UID: r.UID, Info: r.Info, FDs: len(fds)}:
+		default: // nobody is reading: drop, never block the protocol
+		}
+	}()
 	if r.Kind != zds.KindAdd {
 		closeFDs(fds)
 		if len(fds) > 0 {

@@ -4,8 +4,10 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"os"
 	"path/filepath"
 	"strings"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -13,12 +15,14 @@ import (
 	"github.com/nftcni/nftcni/agent/events"
 	"github.com/nftcni/nftcni/agent/mesh"
 	"github.com/nftcni/nftcni/agent/podsource"
+	"github.com/nftcni/nftcni/agent/zds"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
 
 // ambientFlags are the enrolment settings, named as istio-cni names them.
 type ambientFlags struct {
 	podSource, nodeName, systemNamespace, selectors string
+	ztunnelSocket, hostNetns                        string
 	dnsCapture, ipv6                                bool
 }
 
@@ -29,6 +33,8 @@ func (a *ambientFlags) register(f *flagSet) {
 	f.str(&a.selectors, "ambient-enablement-selector", "AMBIENT_ENABLEMENT_SELECTOR", "", "JSON list of {podSelector, namespaceSelector}; empty: Istio's defaults on istio.io/dataplane-mode")
 	f.boolean(&a.dnsCapture, "ambient-dns-capture", "AMBIENT_DNS_CAPTURE", true, "capture DNS to ztunnel's 15053 unless a pod says otherwise")
 	f.boolean(&a.ipv6, "ambient-ipv6", "AMBIENT_IPV6", true, "add IPv6 rules for pods that have an IPv6 address")
+	f.str(&a.ztunnelSocket, "ztunnel-socket", "ZTUNNEL_UDS_ADDRESS", zds.DefaultSocket, "ZDS socket ztunnel connects to; \"none\": no ztunnel (rules only, for tests and demos)")
+	f.str(&a.hostNetns, "host-netns", "HOST_NETNS", "/proc/self/ns/net", "the host's network namespace, where the probe SNAT table lives")
 }
 
 func (a *ambientFlags) policy(exclude []string) (*enablement.Policy, error) {
@@ -50,28 +56,60 @@ func (a *ambientFlags) policy(exclude []string) (*enablement.Policy, error) {
 // server to finish its connections.
 func serveEvents(ctx context.Context, c *common, a *ambientFlags, policy *enablement.Policy, reg prometheus.Registerer, log *slog.Logger) (*mesh.Mesh, func(), error) {
 	store := mesh.NewMemStore()
-	m := mesh.New(policy, store, c.runDir, log)
+	opts := mesh.Options{RunDir: c.runDir, Log: log, IPv6: a.ipv6}
+	hostNetns, err := os.Open(a.hostNetns)
+	if err != nil {
+		return nil, nil, fmt.Errorf("--host-netns: %w", err)
+	}
+	opts.HostNetns = hostNetns
+	ctx, cancel := context.WithCancel(ctx)
+	var waits []chan struct{}
+	goWait := func(f func()) {
+		done := make(chan struct{})
+		waits = append(waits, done)
+		go func() { defer close(done); f() }()
+	}
+	fail := func(err error) (*mesh.Mesh, func(), error) {
+		cancel()
+		for _, w := range waits {
+			<-w
+		}
+		hostNetns.Close()
+		return nil, nil, err
+	}
+	if a.ztunnelSocket != "none" {
+		l, err := zds.Listen(a.ztunnelSocket)
+		if err != nil {
+			return fail(fmt.Errorf("ZDS socket %s: %w", a.ztunnelSocket, err))
+		}
+		z := zds.NewServer(log, reg)
+		opts.Ztunnel = z
+		goWait(func() { _ = z.Serve(ctx, l) })
+		log.Info("serving ztunnel (ZDS)", "socket", a.ztunnelSocket)
+	} else {
+		log.Warn("no ztunnel socket (--ztunnel-socket none): ambient pods get their rules but no ztunnel")
+	}
+	m := mesh.New(policy, store, opts)
+	if _, err := m.EnsureHost(); err != nil {
+		return fail(fmt.Errorf("host probe table in %s: %w", a.hostNetns, err))
+	}
+	log.Info("host probe SNAT table in place", "netns", a.hostNetns, "table", "inet nftcni-host")
+	goWait(func() { m.GuardHost(ctx, 10*time.Second) })
 	writePolicy := func() {
 		if err := m.WritePolicy(); err != nil {
 			log.Error("could not write the policy snapshot the plugin falls back on", "path", filepath.Join(c.runDir, wire.PolicyName), "err", err)
 		}
 	}
-	ctx, cancel := context.WithCancel(ctx)
-	var waits []chan struct{}
 	if a.podSource != "" {
 		if err := podsource.Sync(store, a.podSource, a.nodeName); err != nil {
-			cancel()
-			return nil, nil, fmt.Errorf("--pod-source: %w", err)
+			return fail(fmt.Errorf("--pod-source: %w", err))
 		}
 		log.Info("enrolling from a static pod source", "dir", a.podSource, "pods", len(store.Pods()), "namespaces", len(store.Namespaces()))
-		done := make(chan struct{})
-		waits = append(waits, done)
-		go func() {
-			defer close(done)
+		goWait(func() {
 			if err := podsource.Watch(ctx, store, a.podSource, a.nodeName, log, writePolicy); err != nil {
 				log.Error("cannot watch the pod source; it will not be reloaded", "dir", a.podSource, "err", err)
 			}
-		}()
+		})
 	} else {
 		log.Warn("no pod source: the agent knows no pods, so every pod passes through un-enrolled")
 	}
@@ -79,22 +117,17 @@ func serveEvents(ctx context.Context, c *common, a *ambientFlags, policy *enable
 	sock := filepath.Join(c.runDir, wire.SocketName)
 	l, err := events.Listen(sock)
 	if err != nil {
-		cancel()
-		return nil, nil, fmt.Errorf("plugin socket %s: %w (is another agent running?)", sock, err)
+		return fail(fmt.Errorf("plugin socket %s: %w (is another agent running?)", sock, err))
 	}
 	srv := events.NewServer(m, log, events.NewMetrics(reg))
-	done := make(chan struct{})
-	waits = append(waits, done)
-	go func() {
-		defer close(done)
-		_ = srv.Serve(ctx, l)
-	}()
+	goWait(func() { _ = srv.Serve(ctx, l) })
 	log.Info("serving the plugin", "socket", sock, "policy-snapshot", filepath.Join(c.runDir, wire.PolicyName))
 	stop := func() {
 		cancel()
 		for _, w := range waits {
 			<-w
 		}
+		hostNetns.Close()
 	}
 	return m, stop, nil
 }

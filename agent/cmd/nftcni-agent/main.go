@@ -211,9 +211,14 @@ func runCmd(ctx context.Context, args []string) error {
 	}
 	defer m.Close()
 	runErr := in.Run(ctx, install.DefaultLoopConfig(), metrics, state)
-	stopEvents()
 	if onExit == "uninstall" {
 		log.Info("shutting down: uninstalling nftcni")
+		if err := m.RemoveHost(); err != nil {
+			runErr = errors.Join(runErr, fmt.Errorf("removing the host probe table: %w", err))
+		}
+	}
+	stopEvents()
+	if onExit == "uninstall" {
 		policyErr := os.Remove(filepath.Join(c.runDir, wire.PolicyName))
 		if errors.Is(policyErr, os.ErrNotExist) {
 			policyErr = nil
