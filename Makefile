@@ -7,7 +7,7 @@ VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -s -w -X main.version=$(VERSION)
 export CGO_ENABLED := 0
 
-.PHONY: all build test unit bench demo lint fuzz clean cni-plugins
+.PHONY: all build test unit bench demo lint fuzz clean cni-plugins k8s-bins
 
 # The reference CNI plugins and cnitool, built from the Go module proxy once
 # and cached: the end-to-end tests chain nftcni after them.
@@ -17,6 +17,10 @@ CNI_VERSION         := v1.3.1
 CNI_BIN             := $(CACHE)/cni-plugins-$(CNI_PLUGINS_VERSION)
 CNI_PKG             := github.com/containernetworking/plugins/plugins
 export NFTCNI_CNI_BIN := $(CNI_BIN)
+# etcd and kube-apiserver for the Kubernetes integration tests, built from the
+# module proxy once (about 5 minutes cold on 2 cores) by hack/k8s-bins.sh.
+K8S_BIN             := $(CACHE)/k8s-v1.37.2
+export NFTCNI_K8S_BIN := $(K8S_BIN)
 
 all: build
 
@@ -25,8 +29,12 @@ build:
 
 # All tests, including the ones that need root and network namespaces (they
 # skip with a message when not root). Fuzz seed corpora run as plain tests.
-test: build cni-plugins
+test: build cni-plugins k8s-bins
 	$(GO) test -count=1 ./...
+
+k8s-bins: $(K8S_BIN)/kube-apiserver
+$(K8S_BIN)/kube-apiserver:
+	./hack/k8s-bins.sh $(K8S_BIN)
 
 cni-plugins: $(CNI_BIN)/.complete
 $(CNI_BIN)/.complete:
@@ -53,6 +61,7 @@ fuzz:
 	$(GO) test ./conflist -run '^$$' -fuzz FuzzInsert -fuzztime $(FUZZTIME)
 	$(GO) test ./plugin/wire -run '^$$' -fuzz FuzzDecode -fuzztime $(FUZZTIME)
 	$(GO) test ./plugin -run '^$$' -fuzz FuzzParseConfig -fuzztime $(FUZZTIME)
+	$(GO) test ./agent/zds -run '^$$' -fuzz FuzzDecode -fuzztime $(FUZZTIME)
 
 clean:
 	rm -rf $(BIN)

@@ -38,11 +38,13 @@ type Handler interface {
 	// rules (ambient: hand netns to ztunnel and wait for its ack). An
 	// error fails the ADD.
 	Prepare(ctx context.Context, pod *wire.Pod, d *wire.Decision, netns *os.File) error
-	// Enrolled reports the plugin's outcome: programErr nil means the rules
-	// are in place and the pod may be marked enrolled. It is also called,
-	// with an error, when the plugin went away after Prepare. An error
+	// Added completes an ADD. For an enrolled pod it reports the plugin's
+	// outcome: programErr nil means the rules are in place and the pod may
+	// be marked enrolled; it is also called, with an error, when the plugin
+	// went away after Prepare. For ModeNone it is called once the decision
+	// is sent: the pod is known (its netns with it), not enrolled. An error
 	// return fails the ADD.
-	Enrolled(ctx context.Context, pod *wire.Pod, d *wire.Decision, netns *os.File, programErr error) error
+	Added(ctx context.Context, pod *wire.Pod, d *wire.Decision, netns *os.File, programErr error) error
 	// Deleted is the pod's DEL: release whatever is held for it.
 	Deleted(ctx context.Context, pod *wire.Pod) error
 	// GC releases what is held for attachments not in valid.
@@ -234,7 +236,7 @@ func podKey(p *wire.Pod) string {
 }
 
 // add runs the ADD conversation: decision (with Prepare for enrolled
-// pods), then the plugin's outcome, then Enrolled and the final answer.
+// pods), then the plugin's outcome, then Added and the final answer.
 func (s *Server) add(ctx context.Context, c *wire.Conn, pod *wire.Pod, netns *os.File) {
 	fail := func(err error) {
 		s.count(wire.KindAdd, "failure")
@@ -258,12 +260,15 @@ func (s *Server) add(ctx context.Context, c *wire.Conn, pod *wire.Pod, netns *os
 	}
 	if err := c.Send(&wire.Message{Kind: wire.KindDecision, Decision: d}, nil); err != nil {
 		if d.Mode != wire.ModeNone {
-			_ = s.h.Enrolled(ctx, pod, d, netns, fmt.Errorf("plugin went away before the decision: %w", err))
+			_ = s.h.Added(ctx, pod, d, netns, fmt.Errorf("plugin went away before the decision: %w", err))
 		}
 		s.count(wire.KindAdd, "failure")
 		return
 	}
 	if d.Mode == wire.ModeNone {
+		if err := s.h.Added(ctx, pod, d, netns, nil); err != nil {
+			s.log.Warn("could not record a pod outside the mesh", "pod", pod.Key(), "err", err)
+		}
 		s.count(wire.KindAdd, "success")
 		return
 	}
@@ -280,7 +285,7 @@ func (s *Server) add(ctx context.Context, c *wire.Conn, pod *wire.Pod, netns *os
 	case m.Error != "":
 		programErr = errors.New(m.Error)
 	}
-	if err := s.h.Enrolled(ctx, pod, d, netns, programErr); err != nil {
+	if err := s.h.Added(ctx, pod, d, netns, programErr); err != nil {
 		fail(err)
 		return
 	}

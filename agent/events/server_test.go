@@ -62,7 +62,7 @@ func (f *fake) Decide(ctx context.Context, p *wire.Pod) (*wire.Decision, error) 
 	return f.decision, f.decideErr
 }
 func (f *fake) Prepare(context.Context, *wire.Pod, *wire.Decision, *os.File) error { return nil }
-func (f *fake) Enrolled(_ context.Context, _ *wire.Pod, _ *wire.Decision, _ *os.File, err error) error {
+func (f *fake) Added(_ context.Context, _ *wire.Pod, _ *wire.Decision, _ *os.File, err error) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.enrolled = append(f.enrolled, err)

@@ -120,6 +120,15 @@ func (m *Mesh) Decide(ctx context.Context, p *wire.Pod) (*wire.Decision, error) 
 	return m.policy.Decide(pod, ns, p.IPs), nil
 }
 
+// SetStore switches the pod source (before serving), with the annotator
+// that goes with it (nil: none).
+func (m *Mesh) SetStore(s Store, a Annotator) {
+	m.store = s
+	if a != nil {
+		m.opts.Annotator = a
+	}
+}
+
 // uid is the pod's UID: the runtime's, else the store's.
 func (m *Mesh) uid(p *wire.Pod) string {
 	if p.UID != "" {
@@ -150,10 +159,12 @@ func (m *Mesh) Prepare(ctx context.Context, p *wire.Pod, d *wire.Decision, netns
 	return m.opts.Ztunnel.Add(ctx, m.uid(p), m.workload(p), netns)
 }
 
-// Enrolled completes an enrolment once the rules are in place: the pod's
+// Added completes an enrolment once the rules are in place: the pod's
 // IPs go into the host probe set and the pod is annotated enabled; only
-// then is it a member. If the rules failed, ztunnel is told to let go.
-func (m *Mesh) Enrolled(ctx context.Context, p *wire.Pod, d *wire.Decision, netns *os.File, programErr error) error {
+// then is it a member. If the rules failed, ztunnel is told to let go. A
+// pod outside the mesh is remembered too, with its netns, so that enrolling
+// it later (a label added) needs no search for its netns.
+func (m *Mesh) Added(ctx context.Context, p *wire.Pod, d *wire.Decision, netns *os.File, programErr error) error {
 	uid := m.uid(p)
 	if programErr != nil {
 		if d.Mode == wire.ModeAmbient && m.opts.Ztunnel != nil {
@@ -193,7 +204,9 @@ func (m *Mesh) Enrolled(ctx context.Context, p *wire.Pod, d *wire.Decision, netn
 			return fmt.Errorf("annotating pod %s %s=%s: %w", p.Key(), enablement.AnnRedirection, RedirectionEnabled, err)
 		}
 	}
-	m.log.Info("pod enrolled", "pod", p.Key(), "mode", d.Mode, "uid", uid, "containerID", p.ContainerID)
+	if d.Mode != wire.ModeNone {
+		m.log.Info("pod enrolled", "pod", p.Key(), "mode", d.Mode, "uid", uid, "containerID", p.ContainerID)
+	}
 	return nil
 }
 
@@ -224,7 +237,7 @@ func (m *Mesh) Deleted(ctx context.Context, p *wire.Pod) error {
 	}
 	forgot := m.forget(p.Attachment)
 	m.hostMu.Unlock()
-	if forgot {
+	if forgot && mb.Mode != wire.ModeNone {
 		m.log.Info("pod removed", "pod", p.Key(), "containerID", p.ContainerID)
 	}
 	return nil
@@ -267,13 +280,15 @@ func (m *Mesh) forget(a wire.Attachment) bool {
 	return old != nil
 }
 
-// Members lists the enrolled attachments, sorted by pod.
+// Members lists the enrolled attachments (ambient or sidecar), sorted by pod.
 func (m *Mesh) Members() []Member {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	out := make([]Member, 0, len(m.members))
 	for _, mb := range m.members {
-		out = append(out, Member{Pod: mb.Pod, Mode: mb.Mode})
+		if mb.Mode != wire.ModeNone {
+			out = append(out, Member{Pod: mb.Pod, Mode: mb.Mode, UID: mb.UID})
+		}
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Pod.Key() < out[j].Pod.Key() })
 	return out

@@ -78,7 +78,7 @@ func TestEnrolledKeepsADupAndGCReleasesIt(t *testing.T) {
 	a, b := wpod("mesh", "a", "uid-a"), wpod("mesh", "b", "")
 	d := &wire.Decision{Mode: wire.ModeAmbient}
 	for _, p := range []*wire.Pod{a, b} {
-		if err := m.Enrolled(ctx, p, d, f, nil); err != nil {
+		if err := m.Added(ctx, p, d, f, nil); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -97,7 +97,7 @@ func TestEnrolledKeepsADupAndGCReleasesIt(t *testing.T) {
 	if got := m.Members(); len(got) != 1 || got[0].Pod.Name != "a" {
 		t.Errorf("after GC: %+v", got)
 	}
-	if err := m.Enrolled(ctx, a, d, nil, os.ErrDeadlineExceeded); err != nil {
+	if err := m.Added(ctx, a, d, nil, os.ErrDeadlineExceeded); err != nil {
 		t.Fatal(err)
 	}
 	if got := len(m.Members()); got != 0 {

@@ -10,9 +10,13 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/nftcni/nftcni/agent/enablement"
 	"github.com/nftcni/nftcni/agent/events"
+	kubesrc "github.com/nftcni/nftcni/agent/kube"
 	"github.com/nftcni/nftcni/agent/mesh"
 	"github.com/nftcni/nftcni/agent/podsource"
 	"github.com/nftcni/nftcni/agent/zds"
@@ -21,13 +25,15 @@ import (
 
 // ambientFlags are the enrolment settings, named as istio-cni names them.
 type ambientFlags struct {
+	kubeconfig                                      string
 	podSource, nodeName, systemNamespace, selectors string
 	ztunnelSocket, hostNetns                        string
 	dnsCapture, ipv6                                bool
 }
 
 func (a *ambientFlags) register(f *flagSet) {
-	f.str(&a.podSource, "pod-source", "POD_SOURCE", "", "directory of Pod and Namespace manifests to enrol from, for hosts without Kubernetes (watched)")
+	f.str(&a.kubeconfig, "kubeconfig", "KUBECONFIG", "", "kubeconfig to watch pods and namespaces with (default: in-cluster config when running in a pod)")
+	f.str(&a.podSource, "pod-source", "POD_SOURCE", "", "directory of Pod and Namespace manifests to enrol from instead of Kubernetes, for hosts without it (watched)")
 	f.str(&a.nodeName, "node-name", "NODE_NAME", "", "this node's name: pods bound to other nodes are ignored")
 	f.str(&a.systemNamespace, "system-namespace", "SYSTEM_NAMESPACE", "istio-system", "ztunnel's namespace; its pods are never enrolled")
 	f.str(&a.selectors, "ambient-enablement-selector", "AMBIENT_ENABLEMENT_SELECTOR", "", "JSON list of {podSelector, namespaceSelector}; empty: Istio's defaults on istio.io/dataplane-mode")
@@ -49,6 +55,43 @@ func (a *ambientFlags) policy(exclude []string) (*enablement.Policy, error) {
 		cfg.Selectors = sel
 	}
 	return enablement.Compile(cfg)
+}
+
+// source says where pods come from: Kubernetes (a kubeconfig, or running in
+// a cluster), a static directory, or nowhere.
+func (a *ambientFlags) source() (string, error) {
+	inCluster := os.Getenv("KUBERNETES_SERVICE_HOST") != ""
+	switch {
+	case a.podSource != "" && a.kubeconfig != "":
+		return "", fmt.Errorf("--pod-source and --kubeconfig are exclusive: pods come from one place")
+	case a.podSource != "":
+		return "static", nil
+	case a.kubeconfig != "" || inCluster:
+		if a.nodeName == "" {
+			return "", fmt.Errorf("--node-name (NODE_NAME) is required to watch this node's pods")
+		}
+		return "kubernetes", nil
+	}
+	return "", nil
+}
+
+func (a *ambientFlags) restConfig() (*rest.Config, error) {
+	if a.kubeconfig == "" {
+		return rest.InClusterConfig()
+	}
+	cfg, err := clientcmd.BuildConfigFromFlags("", a.kubeconfig)
+	if err != nil {
+		return nil, fmt.Errorf("--kubeconfig %s: %w", a.kubeconfig, err)
+	}
+	cfg.QPS, cfg.Burst = 80, 160 // istio-cni's
+	return cfg, nil
+}
+
+// reconcileAll re-evaluates every pod after the static source changed.
+func reconcileAll(ctx context.Context, m *mesh.Mesh, store *mesh.MemStore) {
+	for _, p := range store.Pods() {
+		_ = m.Reconcile(ctx, p.Namespace, p.Name)
+	}
 }
 
 // serveEvents starts the plugin's endpoint: the pod store, the mesh
@@ -100,18 +143,38 @@ func serveEvents(ctx context.Context, c *common, a *ambientFlags, policy *enable
 			log.Error("could not write the policy snapshot the plugin falls back on", "path", filepath.Join(c.runDir, wire.PolicyName), "err", err)
 		}
 	}
-	if a.podSource != "" {
+	switch src, err := a.source(); {
+	case err != nil:
+		return fail(err)
+	case src == "kubernetes":
+		cfg, err := a.restConfig()
+		if err != nil {
+			return fail(err)
+		}
+		client, err := kubernetes.NewForConfig(cfg)
+		if err != nil {
+			return fail(err)
+		}
+		kube := kubesrc.New(client, a.nodeName, reg, log, writePolicy)
+		m.SetStore(kube, kube)
+		log.Info("watching Kubernetes", "api", cfg.Host, "node", a.nodeName)
+		if err := kube.Start(ctx); err != nil {
+			return fail(fmt.Errorf("kubernetes informers: %w", err))
+		}
+		log.Info("informer caches synced", "pods-on-node", len(kube.Pods()), "namespaces", len(kube.Namespaces()))
+		goWait(func() { kube.Run(ctx, m.Reconcile) })
+	case src == "static":
 		if err := podsource.Sync(store, a.podSource, a.nodeName); err != nil {
 			return fail(fmt.Errorf("--pod-source: %w", err))
 		}
 		log.Info("enrolling from a static pod source", "dir", a.podSource, "pods", len(store.Pods()), "namespaces", len(store.Namespaces()))
 		goWait(func() {
-			if err := podsource.Watch(ctx, store, a.podSource, a.nodeName, log, writePolicy); err != nil {
+			if err := podsource.Watch(ctx, store, a.podSource, a.nodeName, log, func() { writePolicy(); reconcileAll(ctx, m, store) }); err != nil {
 				log.Error("cannot watch the pod source; it will not be reloaded", "dir", a.podSource, "err", err)
 			}
 		})
-	} else {
-		log.Warn("no pod source: the agent knows no pods, so every pod passes through un-enrolled")
+	default:
+		log.Warn("no pod source (no --kubeconfig, not in a cluster, no --pod-source): the agent knows no pods, so every pod passes through un-enrolled")
 	}
 	writePolicy()
 	sock := filepath.Join(c.runDir, wire.SocketName)

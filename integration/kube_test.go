@@ -1,0 +1,155 @@
+package integration
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/containernetworking/cni/libcni"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/nftcni/nftcni/agent/enablement"
+	"github.com/nftcni/nftcni/agent/zds"
+	"github.com/nftcni/nftcni/integration/kubetest"
+	"github.com/nftcni/nftcni/integration/testnet"
+	"github.com/nftcni/nftcni/integration/ztunneltest"
+)
+
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); !cond(); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+	}
+}
+
+// The agent process against a real kube-apiserver: pods created through
+// the plugin are enrolled and annotated; labelling a namespace enrols its
+// running pods, unlabelling one takes them out; a deleted pod leaves ztunnel
+// and the probe set.
+func TestKubernetesEnrolment(t *testing.T) {
+	api := kubetest.Start(t)
+	ctx := context.Background()
+	cs := api.Client
+	for _, ns := range []*corev1.Namespace{
+		{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{enablement.LabelDataplaneMode: "ambient"}}},
+		{ObjectMeta: metav1.ObjectMeta{Name: "legacy"}},
+	} {
+		if _, err := cs.CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mkPod := func(ns, name string) *corev1.Pod {
+		p, err := cs.CoreV1().Pods(ns).Create(ctx, &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
+			Spec: corev1.PodSpec{NodeName: "node-a", Containers: []corev1.Container{{Name: "app", Image: "app"}}}}, metav1.CreateOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	cart, batch := mkPod("shop", "cart"), mkPod("legacy", "batch")
+	mkPod("shop", "elsewhere") // bound to node-a too, never ADDed here
+
+	n := newCNINode(t, 66)
+	h := newHost(t)
+	if err := os.Remove(h.path()); err != nil {
+		t.Fatal(err)
+	}
+	primary := filepath.Join(h.conf, "10-nftnet.conflist")
+	if err := os.WriteFile(primary, n.primary("bridge", "1.0.0"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	_, addr, logs := startAgent(t, h, "--kubeconfig", api.Kubeconfig, "--node-name", "node-a")
+	waitReady(t, addr)
+	z := ztunneltest.Connect(t, h.zsock)
+	z.Wait(zds.KindSnapshotSent, "", 5*time.Second)
+	n.cni = libcni.NewCNIConfigWithCacheDir([]string{h.bin, referencePlugins(t)}, t.TempDir(), nil)
+	list, err := libcni.ConfListFromFile(primary)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rtFor := func(netns *testnet.NS, p *corev1.Pod) *libcni.RuntimeConf {
+		rt := runtimeConf(netns, p.Namespace, p.Name, nil)
+		for i := range rt.Args {
+			if rt.Args[i][0] == "K8S_POD_UID" {
+				rt.Args[i][1] = string(p.UID)
+			}
+		}
+		return rt
+	}
+	redirection := func(ns, name string) string {
+		p, err := cs.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return "<" + err.Error() + ">"
+		}
+		return p.Annotations[enablement.AnnRedirection]
+	}
+	hostNode := &cniNode{node: h.netns}
+
+	cartNS, batchNS := testnet.NewNS(t, "nftpod"), testnet.NewNS(t, "nftpod")
+	cartRes, err := n.add(list, rtFor(cartNS, cart))
+	if err != nil {
+		t.Fatalf("ADD shop/cart: %v\n%s", err, logs)
+	}
+	if _, err := n.add(list, rtFor(batchNS, batch)); err != nil {
+		t.Fatalf("ADD legacy/batch: %v", err)
+	}
+	cartIP := podIPs(t, cartRes)[0].String()
+	z.Wait(zds.KindAdd, string(cart.UID), 5*time.Second)
+	if !hasTable(t, cartNS) || hasTable(t, batchNS) {
+		t.Fatalf("tables after ADD: cart %v batch %v", hasTable(t, cartNS), hasTable(t, batchNS))
+	}
+	if got := redirection("shop", "cart"); got != "enabled" {
+		t.Errorf("shop/cart %s = %q, want enabled", enablement.AnnRedirection, got)
+	}
+	if set := hostNode.probeSet(t); !strings.Contains(set, cartIP+` comment "`+string(cart.UID)+`"`) {
+		t.Errorf("probe set lacks shop/cart:\n%s", set)
+	}
+
+	// Late enrolment: label legacy; the agent programs batch's running netns.
+	patch := []byte(`{"metadata":{"labels":{"istio.io/dataplane-mode":"ambient"}}}`)
+	if _, err := cs.CoreV1().Namespaces().Patch(ctx, "legacy", types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	z.Wait(zds.KindAdd, string(batch.UID), 10*time.Second)
+	eventually(t, "legacy/batch's rules", func() bool { return hasTable(t, batchNS) })
+	eventually(t, "legacy/batch annotated", func() bool { return redirection("legacy", "batch") == "enabled" })
+	if _, err := batchNS.Dial(t, "tcp", "192.0.2.7:80", testnet.DialOpts{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := testnet.Accept(t, z.Pod(string(batch.UID)).Outbound, 2*time.Second); err != nil {
+		t.Errorf("late-enrolled pod's traffic did not reach ztunnel: %v", err)
+	}
+
+	// Unenrolment: unlabel shop; cart's rules, annotation, ztunnel hold and
+	// probe entry go, and its traffic goes where it was sent.
+	unpatch := []byte(`{"metadata":{"labels":{"istio.io/dataplane-mode":null}}}`)
+	if _, err := cs.CoreV1().Namespaces().Patch(ctx, "shop", types.MergePatchType, unpatch, metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	z.Wait(zds.KindDel, string(cart.UID), 10*time.Second)
+	eventually(t, "shop/cart's rules removed", func() bool { return !hasTable(t, cartNS) })
+	eventually(t, "shop/cart's annotation removed", func() bool { return redirection("shop", "cart") == "" })
+	eventually(t, "shop/cart's probe entry removed", func() bool { return !strings.Contains(hostNode.probeSet(t), cartIP) })
+	gw := gateway(t, cartRes)
+	upstream := n.node.Listen(t, gw.String()+":8080", false)
+	if _, err := cartNS.Dial(t, "tcp", upstream.Addr().String(), testnet.DialOpts{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := testnet.Accept(t, upstream, 2*time.Second); err != nil {
+		t.Errorf("unenrolled pod's traffic did not go direct: %v", err)
+	}
+
+	// Pod deleted: ztunnel lets go and the probe set forgets it.
+	if err := cs.CoreV1().Pods("legacy").Delete(ctx, "batch", metav1.DeleteOptions{GracePeriodSeconds: new(int64)}); err != nil {
+		t.Fatal(err)
+	}
+	z.Wait(zds.KindDel, string(batch.UID), 10*time.Second)
+	eventually(t, "legacy/batch's probe entry removed", func() bool { return !strings.Contains(hostNode.probeSet(t), string(batch.UID)) })
+}
