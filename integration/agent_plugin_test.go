@@ -14,6 +14,7 @@ import (
 	"github.com/nftcni/nftcni/agent/zds"
 	"github.com/nftcni/nftcni/integration/testnet"
 	"github.com/nftcni/nftcni/integration/ztunneltest"
+	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
 
@@ -120,4 +121,90 @@ func TestAgentProcessServesThePlugin(t *testing.T) {
 	if err := n.del(list, rt); err != nil {
 		t.Errorf("DEL after the refused ADD: %v", err)
 	}
+}
+
+// An agent killed and restarted while a pod talks: the pod's capture never
+// lapses (a connection loop runs across the restart and every connection
+// lands on ztunnel), the new agent finds the pod again from its record,
+// re-verifies its rules and hands it to the reconnecting ztunnel in the
+// snapshot, and the pod's DEL still works afterwards.
+func TestAgentRestartKeepsCapture(t *testing.T) {
+	n := newCNINode(t, 67)
+	h := newHost(t)
+	if err := os.Remove(h.path()); err != nil {
+		t.Fatal(err)
+	}
+	primary := filepath.Join(h.conf, "10-nftnet.conflist")
+	if err := os.WriteFile(primary, n.primary("bridge", "1.0.0"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	src := t.TempDir()
+	if err := os.WriteFile(filepath.Join(src, "pods.yaml"), []byte(podSource), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	cmd, addr, _ := startAgent(t, h, "--pod-source", src)
+	waitReady(t, addr)
+	z1 := ztunneltest.Connect(t, h.zsock)
+	z1.Wait(zds.KindSnapshotSent, "", 5*time.Second)
+	n.cni = libcni.NewCNIConfigWithCacheDir([]string{h.bin, referencePlugins(t)}, t.TempDir(), nil)
+	list, err := libcni.ConfListFromFile(primary)
+	if err != nil {
+		t.Fatal(err)
+	}
+	app := testnet.NewNS(t, "nftpod")
+	rt := runtimeConf(app, "mesh", "app", nil)
+	if _, err := n.add(list, rt); err != nil {
+		t.Fatal(err)
+	}
+	z1.Wait(zds.KindAdd, "uid-app", 5*time.Second)
+
+	// The pod keeps opening connections to an address nothing answers:
+	// each one only succeeds if capture sends it to ztunnel.
+	stopLoop := make(chan struct{})
+	type result struct{ ok, failed int }
+	done := make(chan result)
+	go func() {
+		var r result
+		for {
+			select {
+			case <-stopLoop:
+				done <- r
+				return
+			case <-time.After(20 * time.Millisecond):
+			}
+			if c, err := app.Dial(t, "tcp", "192.0.2.9:80", testnet.DialOpts{}); err == nil {
+				c.Close()
+				r.ok++
+			} else {
+				r.failed++
+			}
+		}
+	}()
+	time.Sleep(200 * time.Millisecond)
+	if err := cmd.Process.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	_, _ = cmd.Process.Wait()
+	time.Sleep(200 * time.Millisecond) // no agent at all for a while
+
+	_, addr, _ = startAgent(t, h, "--pod-source", src)
+	waitReady(t, addr)
+	z2 := ztunneltest.Connect(t, h.zsock)
+	if e := z2.Wait(zds.KindAdd, "uid-app", 5*time.Second); e.FDs != 1 {
+		t.Errorf("snapshot Add after restart carried %d fds", e.FDs)
+	}
+	z2.Wait(zds.KindSnapshotSent, "", 5*time.Second)
+	time.Sleep(200 * time.Millisecond)
+	close(stopLoop)
+	r := <-done
+	if r.failed > 0 || r.ok < 10 {
+		t.Errorf("connections across the restart: %d landed, %d failed (want all landing)", r.ok, r.failed)
+	}
+	if err := nft.Verify(app.FD, nft.Ambient(nft.AmbientSpec{DNSCapture: true})); err != nil {
+		t.Errorf("rules after the restart: %v", err)
+	}
+	if err := n.del(list, rt); err != nil {
+		t.Fatalf("DEL through the new agent: %v", err)
+	}
+	z2.Wait(zds.KindDel, "uid-app", 5*time.Second)
 }

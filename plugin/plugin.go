@@ -129,6 +129,7 @@ func (c *call) pod(prev *current.Result) *wire.Pod {
 		UID:         string(c.k8s.K8S_POD_UID),
 		Attachment:  wire.Attachment{ContainerID: c.args.ContainerID, IfName: c.args.IfName},
 		IPs:         podIPs(prev, c.args.IfName),
+		Netns:       c.args.Netns,
 		Annotations: c.conf.RuntimeConfig.PodAnnotations,
 	}
 }

@@ -38,6 +38,8 @@ type Member struct {
 	Mode wire.Mode
 	// UID is the pod's UID (from CNI_ARGS, else the store).
 	UID string
+	// decision is what the pod got, kept so a restarted agent can verify it.
+	decision *wire.Decision
 	// netns is our own dup of the descriptor the plugin sent.
 	netns *os.File
 }
@@ -46,6 +48,8 @@ type Member struct {
 type Ztunnel interface {
 	Add(ctx context.Context, uid string, info zds.WorkloadInfo, netns *os.File) error
 	Del(uid string)
+	// Track remembers a pod for the next snapshot without sending it now.
+	Track(uid string, info zds.WorkloadInfo, netns *os.File)
 }
 
 // Annotator records a pod's enrolment state on the pod itself
@@ -187,7 +191,8 @@ func (m *Mesh) Added(ctx context.Context, p *wire.Pod, d *wire.Decision, netns *
 	if err == nil {
 		m.mu.Lock()
 		old = m.members[p.Attachment]
-		m.members[p.Attachment] = &Member{Pod: *p, Mode: d.Mode, UID: uid, netns: fd}
+		m.members[p.Attachment] = &Member{Pod: *p, Mode: d.Mode, UID: uid, decision: d, netns: fd}
+		m.saveState()
 		m.mu.Unlock()
 	}
 	m.hostMu.Unlock()
@@ -273,6 +278,9 @@ func (m *Mesh) forget(a wire.Attachment) bool {
 	m.mu.Lock()
 	old := m.members[a]
 	delete(m.members, a)
+	if old != nil {
+		m.saveState()
+	}
 	m.mu.Unlock()
 	if old != nil {
 		old.netns.Close()

@@ -35,9 +35,7 @@ func (m *Mesh) Reconcile(ctx context.Context, namespace, name string) error {
 		for _, mb := range atts {
 			if mb.Mode == wire.ModeAmbient {
 				m.release(ctx, mb, pod != nil)
-				m.mu.Lock()
-				mb.Mode = wire.ModeNone // its DEL has nothing left to release
-				m.mu.Unlock()
+				m.setMode(mb, &wire.Decision{Mode: wire.ModeNone}) // its DEL has nothing left to release
 			}
 		}
 		return nil
@@ -96,9 +94,7 @@ func (m *Mesh) enrolLate(ctx context.Context, mb *Member, d *wire.Decision) erro
 	m.hostMu.Lock()
 	err = m.addProbe(mb.UID, p.IPs)
 	if err == nil {
-		m.mu.Lock()
-		mb.Mode = wire.ModeAmbient
-		m.mu.Unlock()
+		m.setMode(mb, d)
 	}
 	m.hostMu.Unlock()
 	if err != nil {
@@ -121,9 +117,7 @@ func (m *Mesh) unenrol(ctx context.Context, mb *Member) error {
 		return fmt.Errorf("unenrolling pod %s: removing its rules: %w", p.Key(), err)
 	}
 	m.release(ctx, mb, true)
-	m.mu.Lock()
-	mb.Mode = wire.ModeNone
-	m.mu.Unlock()
+	m.setMode(mb, &wire.Decision{Mode: wire.ModeNone})
 	m.log.Info("pod unenrolled", "pod", p.Key(), "uid", mb.UID)
 	return nil
 }
@@ -145,4 +139,12 @@ func (m *Mesh) release(ctx context.Context, mb *Member, annotated bool) {
 			m.log.Warn("could not remove the enrolment annotation", "pod", p.Key(), "annotation", enablement.AnnRedirection, "err", err)
 		}
 	}
+}
+
+// setMode records a member's new decision.
+func (m *Mesh) setMode(mb *Member, d *wire.Decision) {
+	m.mu.Lock()
+	mb.Mode, mb.decision = d.Mode, d
+	m.saveState()
+	m.mu.Unlock()
 }

@@ -91,6 +91,9 @@ type Pod struct {
 	UID       string `json:"uid,omitempty"`
 	Attachment
 	IPs []netip.Prefix `json:"ips,omitempty"`
+	// Netns is CNI_NETNS: the agent keeps it to find the netns again after
+	// its own restart (it uses the descriptor, not the path, otherwise).
+	Netns string `json:"netns,omitempty"`
 	// Annotations came from the runtime (io.kubernetes.cri.pod-annotations);
 	// nil when it passed none.
 	Annotations map[string]string `json:"annotations,omitempty"`

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -94,17 +95,20 @@ func reconcileAll(ctx context.Context, m *mesh.Mesh, store *mesh.MemStore) {
 	}
 }
 
-// serveEvents starts the plugin's endpoint: the pod store, the mesh
-// record, the policy snapshot and the socket server. stop waits for the
-// server to finish its connections.
+// serveEvents starts the enrolment side of the agent, in the order that
+// keeps every enrolled pod captured across a restart: the pod source is
+// complete and the previous agent's pods are restored (rules verified)
+// before ztunnel may connect and get its snapshot, and before the plugin
+// is served. stop waits for everything to finish.
 func serveEvents(ctx context.Context, c *common, a *ambientFlags, policy *enablement.Policy, reg prometheus.Registerer, log *slog.Logger) (*mesh.Mesh, func(), error) {
-	store := mesh.NewMemStore()
-	opts := mesh.Options{RunDir: c.runDir, Log: log, IPv6: a.ipv6}
+	src, err := a.source()
+	if err != nil {
+		return nil, nil, err
+	}
 	hostNetns, err := os.Open(a.hostNetns)
 	if err != nil {
 		return nil, nil, fmt.Errorf("--host-netns: %w", err)
 	}
-	opts.HostNetns = hostNetns
 	ctx, cancel := context.WithCancel(ctx)
 	var waits []chan struct{}
 	goWait := func(f func()) {
@@ -112,41 +116,45 @@ func serveEvents(ctx context.Context, c *common, a *ambientFlags, policy *enable
 		waits = append(waits, done)
 		go func() { defer close(done); f() }()
 	}
-	fail := func(err error) (*mesh.Mesh, func(), error) {
+	stop := func() {
 		cancel()
 		for _, w := range waits {
 			<-w
 		}
 		hostNetns.Close()
+	}
+	var z *zds.Server
+	var zl *net.UnixListener
+	fail := func(err error) (*mesh.Mesh, func(), error) {
+		stop()
+		if zl != nil {
+			zl.Close() // Serve may not have started to own it
+		}
 		return nil, nil, err
 	}
+
+	opts := mesh.Options{RunDir: c.runDir, Log: log, IPv6: a.ipv6, HostNetns: hostNetns}
 	if a.ztunnelSocket != "none" {
-		l, err := zds.Listen(a.ztunnelSocket)
-		if err != nil {
+		if zl, err = zds.Listen(a.ztunnelSocket); err != nil {
 			return fail(fmt.Errorf("ZDS socket %s: %w", a.ztunnelSocket, err))
 		}
-		z := zds.NewServer(log, reg)
+		z = zds.NewServer(log, reg)
 		opts.Ztunnel = z
-		goWait(func() { _ = z.Serve(ctx, l) })
-		log.Info("serving ztunnel (ZDS)", "socket", a.ztunnelSocket)
 	} else {
 		log.Warn("no ztunnel socket (--ztunnel-socket none): ambient pods get their rules but no ztunnel")
 	}
+	store := mesh.NewMemStore()
 	m := mesh.New(policy, store, opts)
-	if _, err := m.EnsureHost(); err != nil {
-		return fail(fmt.Errorf("host probe table in %s: %w", a.hostNetns, err))
-	}
-	log.Info("host probe SNAT table in place", "netns", a.hostNetns, "table", "inet nftcni-host")
-	goWait(func() { m.GuardHost(ctx, 10*time.Second) })
 	writePolicy := func() {
 		if err := m.WritePolicy(); err != nil {
 			log.Error("could not write the policy snapshot the plugin falls back on", "path", filepath.Join(c.runDir, wire.PolicyName), "err", err)
 		}
 	}
-	switch src, err := a.source(); {
-	case err != nil:
-		return fail(err)
-	case src == "kubernetes":
+
+	// 1. The pod source, complete.
+	var kube *kubesrc.Source
+	switch src {
+	case "kubernetes":
 		cfg, err := a.restConfig()
 		if err != nil {
 			return fail(err)
@@ -155,26 +163,52 @@ func serveEvents(ctx context.Context, c *common, a *ambientFlags, policy *enable
 		if err != nil {
 			return fail(err)
 		}
-		kube := kubesrc.New(client, a.nodeName, reg, log, writePolicy)
+		kube = kubesrc.New(client, a.nodeName, reg, log, writePolicy)
 		m.SetStore(kube, kube)
 		log.Info("watching Kubernetes", "api", cfg.Host, "node", a.nodeName)
 		if err := kube.Start(ctx); err != nil {
 			return fail(fmt.Errorf("kubernetes informers: %w", err))
 		}
 		log.Info("informer caches synced", "pods-on-node", len(kube.Pods()), "namespaces", len(kube.Namespaces()))
-		goWait(func() { kube.Run(ctx, m.Reconcile) })
-	case src == "static":
+	case "static":
 		if err := podsource.Sync(store, a.podSource, a.nodeName); err != nil {
 			return fail(fmt.Errorf("--pod-source: %w", err))
 		}
 		log.Info("enrolling from a static pod source", "dir", a.podSource, "pods", len(store.Pods()), "namespaces", len(store.Namespaces()))
+	default:
+		log.Warn("no pod source (no --kubeconfig, not in a cluster, no --pod-source): the agent knows no pods, so every pod passes through un-enrolled")
+	}
+
+	// 2. The previous agent's pods: netns reopened, rules verified.
+	restored, repaired, err := m.Restore(ctx)
+	if err != nil {
+		log.Error("could not read the previous agent's pod record; pods enrolled before this start are not restored", "err", err)
+	}
+	pruned := 0
+	if src != "" {
+		pruned = m.PruneGone(ctx)
+	}
+	log.Info("pods restored from the previous agent", "restored", restored, "rules-repaired", repaired, "gone", pruned)
+
+	// 3. Host probe table, then ztunnel, then the plugin.
+	if _, err := m.EnsureHost(); err != nil {
+		return fail(fmt.Errorf("host probe table in %s: %w", a.hostNetns, err))
+	}
+	log.Info("host probe SNAT table in place", "netns", a.hostNetns, "table", "inet nftcni-host")
+	goWait(func() { m.GuardHost(ctx, 10*time.Second) })
+	if z != nil {
+		goWait(func() { _ = z.Serve(ctx, zl) })
+		log.Info("serving ztunnel (ZDS)", "socket", a.ztunnelSocket, "snapshot", len(z.Known()))
+	}
+	switch src {
+	case "kubernetes":
+		goWait(func() { kube.Run(ctx, m.Reconcile) })
+	case "static":
 		goWait(func() {
 			if err := podsource.Watch(ctx, store, a.podSource, a.nodeName, log, func() { writePolicy(); reconcileAll(ctx, m, store) }); err != nil {
 				log.Error("cannot watch the pod source; it will not be reloaded", "dir", a.podSource, "err", err)
 			}
 		})
-	default:
-		log.Warn("no pod source (no --kubeconfig, not in a cluster, no --pod-source): the agent knows no pods, so every pod passes through un-enrolled")
 	}
 	writePolicy()
 	sock := filepath.Join(c.runDir, wire.SocketName)
@@ -185,12 +219,5 @@ func serveEvents(ctx context.Context, c *common, a *ambientFlags, policy *enable
 	srv := events.NewServer(m, log, events.NewMetrics(reg))
 	goWait(func() { _ = srv.Serve(ctx, l) })
 	log.Info("serving the plugin", "socket", sock, "policy-snapshot", filepath.Join(c.runDir, wire.PolicyName))
-	stop := func() {
-		cancel()
-		for _, w := range waits {
-			<-w
-		}
-		hostNetns.Close()
-	}
 	return m, stop, nil
 }

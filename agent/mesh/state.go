@@ -1,0 +1,165 @@
+package mesh
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"path/filepath"
+
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
+
+	"github.com/nftcni/nftcni/nft"
+	"github.com/nftcni/nftcni/plugin/wire"
+)
+
+// StateName is the agent's record of the pods it knows, in the run dir.
+// It lets a restarted agent find every pod's netns again, re-check its
+// rules and give ztunnel a full snapshot, so no pod loses capture.
+const StateName = "pods.json"
+
+type savedPod struct {
+	Pod      wire.Pod       `json:"pod"`
+	UID      string         `json:"uid"`
+	Decision *wire.Decision `json:"decision"`
+}
+
+// saveState writes the record; called with m.mu held. A process crash
+// leaves the old or the new file (rename); it is not fsynced, because a
+// machine crash restarts every pod anyway.
+func (m *Mesh) saveState() {
+	if m.runDir == "" {
+		return
+	}
+	var out []savedPod
+	for _, mb := range m.members {
+		out = append(out, savedPod{Pod: mb.Pod, UID: mb.UID, Decision: mb.decision})
+	}
+	b, err := json.Marshal(out)
+	if err == nil {
+		path := filepath.Join(m.runDir, StateName)
+		tmp := path + ".tmp"
+		if err = os.WriteFile(tmp, b, 0o600); err == nil {
+			err = os.Rename(tmp, path)
+		}
+	}
+	if err != nil {
+		m.log.Error("could not save the pod record; a restart would not find these pods", "dir", m.runDir, "err", err)
+	}
+}
+
+// Restore reloads the pods a previous agent knew: each netns is reopened
+// by path and must still be a network namespace holding the pod's
+// addresses (a reused path is not the pod); enrolled pods get their rules
+// verified and repaired, and ztunnel's next snapshot includes them.
+// It returns how many pods were restored and how many rulesets repaired.
+func (m *Mesh) Restore(ctx context.Context) (restored, repaired int, err error) {
+	b, err := os.ReadFile(filepath.Join(m.runDir, StateName))
+	if errors.Is(err, os.ErrNotExist) {
+		return 0, 0, nil
+	}
+	if err != nil {
+		return 0, 0, err
+	}
+	var saved []savedPod
+	if err := json.Unmarshal(b, &saved); err != nil {
+		return 0, 0, fmt.Errorf("pod record %s: %w", StateName, err)
+	}
+	for _, sp := range saved {
+		f, err := openPodNetns(sp.Pod)
+		if err != nil {
+			m.log.Info("a pod from the previous agent is gone", "pod", sp.Pod.Key(), "reason", err)
+			continue
+		}
+		d := sp.Decision
+		if d == nil {
+			d = &wire.Decision{Mode: wire.ModeNone}
+		}
+		if rs, _ := d.Ruleset(); rs != nil {
+			if verr := nft.Verify(int(f.Fd()), rs); verr != nil {
+				if aerr := nft.Apply(int(f.Fd()), rs); aerr != nil {
+					m.log.Error("could not repair a pod's rules after restart", "pod", sp.Pod.Key(), "drift", verr, "err", aerr)
+				} else {
+					repaired++
+					m.log.Warn("repaired a pod's rules after restart", "pod", sp.Pod.Key(), "drift", verr)
+				}
+			}
+		}
+		if d.Mode == wire.ModeAmbient && m.opts.Ztunnel != nil {
+			m.opts.Ztunnel.Track(sp.UID, m.workload(&sp.Pod), f)
+		}
+		m.mu.Lock()
+		m.members[sp.Pod.Attachment] = &Member{Pod: sp.Pod, Mode: d.Mode, UID: sp.UID, decision: d, netns: f}
+		m.mu.Unlock()
+		restored++
+	}
+	m.mu.Lock()
+	m.saveState()
+	m.mu.Unlock()
+	return restored, repaired, nil
+}
+
+// openPodNetns reopens a pod's netns by path and checks it is the pod's.
+func openPodNetns(p wire.Pod) (*os.File, error) {
+	if p.Netns == "" {
+		return nil, errors.New("no netns path recorded")
+	}
+	f, err := os.Open(p.Netns)
+	if err != nil {
+		return nil, err
+	}
+	if t, err := unix.IoctlRetInt(int(f.Fd()), unix.NS_GET_NSTYPE); err != nil || t != unix.CLONE_NEWNET {
+		f.Close()
+		return nil, fmt.Errorf("%s is not a network namespace", p.Netns)
+	}
+	if len(p.IPs) > 0 {
+		h, err := netlink.NewHandleAt(netns.NsHandle(f.Fd()))
+		if err != nil {
+			f.Close()
+			return nil, err
+		}
+		defer h.Close()
+		addrs, err := h.AddrList(nil, netlink.FAMILY_ALL)
+		if err != nil {
+			f.Close()
+			return nil, err
+		}
+		want := p.IPs[0].Addr()
+		found := false
+		for _, a := range addrs {
+			if ip, ok := netip.AddrFromSlice(a.IP); ok && ip.Unmap() == want {
+				found = true
+			}
+		}
+		if !found {
+			f.Close()
+			return nil, fmt.Errorf("%s no longer holds the pod's address %s", p.Netns, want)
+		}
+	}
+	return f, nil
+}
+
+// PruneGone releases pods the store no longer has (deleted while the agent
+// was down); call it once the store is complete.
+func (m *Mesh) PruneGone(ctx context.Context) int {
+	m.mu.Lock()
+	var gone []*Member
+	for _, mb := range m.members {
+		p := m.store.Pod(mb.Pod.Namespace, mb.Pod.Name)
+		if p == nil || (string(p.UID) != "" && string(p.UID) != mb.UID) {
+			gone = append(gone, mb)
+		}
+	}
+	m.mu.Unlock()
+	for _, mb := range gone {
+		if mb.Mode == wire.ModeAmbient {
+			m.release(ctx, mb, false)
+		}
+		m.forget(mb.Pod.Attachment)
+	}
+	return len(gone)
+}
