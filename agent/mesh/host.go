@@ -70,6 +70,24 @@ func (m *Mesh) hostRuleset(present []nft.Member) *nft.Ruleset {
 	return nft.HostProbe(m.opts.IPv6, members)
 }
 
+// PruneHost makes the probe set hold exactly the members' IPs, dropping
+// entries nobody accounts for (a pod whose ADD died with the previous
+// agent). Only call it when the members are complete: at start, after
+// Restore.
+func (m *Mesh) PruneHost() error {
+	if m.opts.HostNetns == nil {
+		return nil
+	}
+	m.hostMu.Lock()
+	defer m.hostMu.Unlock()
+	rs := m.hostRuleset(nil)
+	fd := int(m.opts.HostNetns.Fd())
+	if nft.Verify(fd, rs) == nil {
+		return nil
+	}
+	return nft.Apply(fd, rs)
+}
+
 // EnsureHost makes the host probe table hold what the members need,
 // replacing it atomically when it is missing or drifted (someone flushed
 // the ruleset, a firewall reload: istio#60607). It reports whether it had
@@ -100,7 +118,8 @@ func (m *Mesh) EnsureHost() (bool, error) {
 	return true, nil
 }
 
-// GuardHost re-asserts the host table every interval until ctx ends.
+// GuardHost re-asserts the host table every interval until ctx ends, and
+// sweeps members whose sandbox is gone.
 func (m *Mesh) GuardHost(ctx context.Context, every time.Duration) {
 	t := time.NewTicker(every)
 	defer t.Stop()
@@ -110,6 +129,7 @@ func (m *Mesh) GuardHost(ctx context.Context, every time.Duration) {
 			return
 		case <-t.C:
 		}
+		m.Sweep(ctx)
 		if fixed, err := m.EnsureHost(); err != nil {
 			m.log.Error("host probe table", "err", err)
 		} else if fixed {

@@ -42,6 +42,9 @@ type Member struct {
 	decision *wire.Decision
 	// netns is our own dup of the descriptor the plugin sent.
 	netns *os.File
+	// pathVisible: Pod.Netns named this netns from the agent's mount
+	// namespace when we got it, so a later mismatch means it is gone.
+	pathVisible bool
 }
 
 // Ztunnel is where ambient pods' netns go (package zds).
@@ -191,7 +194,8 @@ func (m *Mesh) Added(ctx context.Context, p *wire.Pod, d *wire.Decision, netns *
 	if err == nil {
 		m.mu.Lock()
 		old = m.members[p.Attachment]
-		m.members[p.Attachment] = &Member{Pod: *p, Mode: d.Mode, UID: uid, decision: d, netns: fd}
+		m.members[p.Attachment] = &Member{Pod: *p, Mode: d.Mode, UID: uid, decision: d, netns: fd,
+			pathVisible: p.Netns != "" && sameFile(p.Netns, fd)}
 		m.saveState()
 		m.mu.Unlock()
 	}

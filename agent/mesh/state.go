@@ -13,6 +13,7 @@ import (
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
+	"github.com/nftcni/nftcni/agent/enablement"
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
@@ -70,14 +71,19 @@ func (m *Mesh) Restore(ctx context.Context) (restored, repaired int, err error) 
 		return 0, 0, fmt.Errorf("pod record %s: %w", StateName, err)
 	}
 	for _, sp := range saved {
-		f, err := openPodNetns(sp.Pod)
-		if err != nil {
-			m.log.Info("a pod from the previous agent is gone", "pod", sp.Pod.Key(), "reason", err)
-			continue
-		}
 		d := sp.Decision
 		if d == nil {
 			d = &wire.Decision{Mode: wire.ModeNone}
+		}
+		f, err := openPodNetns(sp.Pod)
+		if err != nil {
+			m.log.Info("a pod from the previous agent is gone", "pod", sp.Pod.Key(), "reason", err)
+			if d.Mode == wire.ModeAmbient {
+				// Its sandbox went while no agent was there: undo what
+				// enrolment left outside it (probe entry, annotation).
+				m.release(ctx, &Member{Pod: sp.Pod, UID: sp.UID, Mode: d.Mode}, true)
+			}
+			continue
 		}
 		if rs, _ := d.Ruleset(); rs != nil {
 			if verr := nft.Verify(int(f.Fd()), rs); verr != nil {
@@ -93,7 +99,7 @@ func (m *Mesh) Restore(ctx context.Context) (restored, repaired int, err error) 
 			m.opts.Ztunnel.Track(sp.UID, m.workload(&sp.Pod), f)
 		}
 		m.mu.Lock()
-		m.members[sp.Pod.Attachment] = &Member{Pod: sp.Pod, Mode: d.Mode, UID: sp.UID, decision: d, netns: f}
+		m.members[sp.Pod.Attachment] = &Member{Pod: sp.Pod, Mode: d.Mode, UID: sp.UID, decision: d, netns: f, pathVisible: true}
 		m.mu.Unlock()
 		restored++
 	}
@@ -162,4 +168,64 @@ func (m *Mesh) PruneGone(ctx context.Context) int {
 		m.forget(mb.Pod.Attachment)
 	}
 	return len(gone)
+}
+
+// Sweep releases members whose sandbox is gone: the runtime removed the
+// netns (its path no longer names the namespace we hold) without a DEL
+// reaching us, e.g. while the agent was down. Only pods whose netns path
+// the agent could see when they were added are judged (the agent's pod
+// needs the host's netns dir mounted for this and for Restore).
+func (m *Mesh) Sweep(ctx context.Context) {
+	m.mu.Lock()
+	var gone []*Member
+	for _, mb := range m.members {
+		if mb.pathVisible && !sameFile(mb.Pod.Netns, mb.netns) {
+			gone = append(gone, mb)
+		}
+	}
+	m.mu.Unlock()
+	for _, mb := range gone {
+		m.log.Info("a pod's sandbox is gone without a DEL; releasing it", "pod", mb.Pod.Key(), "netns", mb.Pod.Netns)
+		if mb.Mode == wire.ModeAmbient {
+			m.release(ctx, mb, m.store.Pod(mb.Pod.Namespace, mb.Pod.Name) != nil)
+		}
+		m.forget(mb.Pod.Attachment)
+	}
+}
+
+// sameFile says whether path still names the open file f.
+func sameFile(path string, f *os.File) bool {
+	var a, b unix.Stat_t
+	if unix.Stat(path, &a) != nil || unix.Fstat(int(f.Fd()), &b) != nil {
+		return false
+	}
+	return a.Dev == b.Dev && a.Ino == b.Ino
+}
+
+// ClearStaleAnnotations removes the enrolment annotation from pods that
+// carry it but are not enrolled here (their enrolment died with the
+// previous agent before it was recorded); call after Restore.
+func (m *Mesh) ClearStaleAnnotations(ctx context.Context) int {
+	if m.opts.Annotator == nil {
+		return 0
+	}
+	enrolled := map[string]bool{}
+	m.mu.Lock()
+	for _, mb := range m.members {
+		if mb.Mode == wire.ModeAmbient {
+			enrolled[mb.Pod.Key()] = true
+		}
+	}
+	m.mu.Unlock()
+	n := 0
+	for _, p := range m.store.Pods() {
+		if _, ok := p.Annotations[enablement.AnnRedirection]; ok && !enrolled[p.Namespace+"/"+p.Name] {
+			if err := m.opts.Annotator.SetRedirection(ctx, p.Namespace, p.Name, ""); err != nil {
+				m.log.Warn("could not clear a stale enrolment annotation", "pod", p.Namespace+"/"+p.Name, "err", err)
+				continue
+			}
+			n++
+		}
+	}
+	return n
 }

@@ -184,14 +184,16 @@ func serveEvents(ctx context.Context, c *common, a *ambientFlags, policy *enable
 	if err != nil {
 		log.Error("could not read the previous agent's pod record; pods enrolled before this start are not restored", "err", err)
 	}
-	pruned := 0
+	pruned, cleared := 0, 0
 	if src != "" {
 		pruned = m.PruneGone(ctx)
+		cleared = m.ClearStaleAnnotations(ctx)
 	}
-	log.Info("pods restored from the previous agent", "restored", restored, "rules-repaired", repaired, "gone", pruned)
+	log.Info("pods restored from the previous agent", "restored", restored, "rules-repaired", repaired, "gone", pruned, "stale-annotations-cleared", cleared)
 
-	// 3. Host probe table, then ztunnel, then the plugin.
-	if _, err := m.EnsureHost(); err != nil {
+	// 3. Host probe table (exactly the restored members), then ztunnel,
+	// then the plugin.
+	if err := m.PruneHost(); err != nil {
 		return fail(fmt.Errorf("host probe table in %s: %w", a.hostNetns, err))
 	}
 	log.Info("host probe SNAT table in place", "netns", a.hostNetns, "table", "inet nftcni-host")
