@@ -53,7 +53,7 @@ type host struct {
 
 const primary = "10-calico.conflist"
 
-func newHost(t *testing.T) *host {
+func newHost(t testing.TB) *host {
 	t.Helper()
 	root := t.TempDir()
 	testnet.RequireRoot(t)
@@ -147,7 +147,7 @@ func TestUnknownModeIsAClearError(t *testing.T) {
 }
 
 // startAgent runs `nftcni-agent run` and returns it with its health address.
-func startAgent(t *testing.T, h *host, extra ...string) (*exec.Cmd, string, *bytes.Buffer) {
+func startAgent(t testing.TB, h *host, extra ...string) (*exec.Cmd, string, *bytes.Buffer) {
 	t.Helper()
 	args := append([]string{"run", "--health-addr", "127.0.0.1:0", "--monitoring-port", "0"}, extra...)
 	cmd := h.agent(args...)
@@ -176,7 +176,7 @@ func startAgent(t *testing.T, h *host, extra ...string) (*exec.Cmd, string, *byt
 	return cmd, addr, logs
 }
 
-func waitReady(t *testing.T, addr string) {
+func waitReady(t testing.TB, addr string) {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
 	for time.Now().Before(deadline) {

@@ -10,7 +10,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/netip"
 	"os"
+	"slices"
 	"sort"
 	"sync"
 	"time"
@@ -227,20 +229,37 @@ const (
 
 // Deleted is the pod's DEL: ztunnel lets go, the probe set forgets its IPs,
 // and the kept netns is closed. The pod's own rules went with DEL already.
+// A pod whose sandbox was re-created keeps its UID: while another sandbox
+// of the same pod is enrolled, ztunnel keeps the pod and only the old
+// sandbox's own IPs leave the probe set.
 func (m *Mesh) Deleted(ctx context.Context, p *wire.Pod) error {
 	m.mu.Lock()
 	mb := m.members[p.Attachment]
-	m.mu.Unlock()
 	uid := m.uid(p)
 	if mb != nil {
 		uid = mb.UID
 	}
-	if m.opts.Ztunnel != nil && (mb == nil || mb.Mode == wire.ModeAmbient) {
+	var live []netip.Prefix // IPs of other enrolled sandboxes of this pod
+	sibling := false
+	for a, o := range m.members {
+		if a != p.Attachment && o.UID == uid && o.Mode == wire.ModeAmbient {
+			sibling = true
+			live = append(live, o.Pod.IPs...)
+		}
+	}
+	m.mu.Unlock()
+	if m.opts.Ztunnel != nil && !sibling && (mb == nil || mb.Mode == wire.ModeAmbient) {
 		m.opts.Ztunnel.Del(uid) // also for a pod we never finished: ztunnel may hold it
 	}
 	m.hostMu.Lock()
 	if mb != nil && mb.Mode == wire.ModeAmbient {
-		if err := m.removeProbe(uid, mb.Pod.IPs); err != nil {
+		var gone []netip.Prefix
+		for _, ip := range mb.Pod.IPs {
+			if !slices.Contains(live, ip) {
+				gone = append(gone, ip)
+			}
+		}
+		if err := m.removeProbe(uid, gone); err != nil {
 			m.log.Warn("could not remove a deleted pod's IPs from the host probe set; the guard will", "pod", p.Key(), "err", err)
 		}
 	}

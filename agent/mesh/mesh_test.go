@@ -14,6 +14,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/nftcni/nftcni/agent/enablement"
+	"github.com/nftcni/nftcni/agent/zds"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
 
@@ -120,5 +121,45 @@ func TestPolicySnapshot(t *testing.T) {
 	want := map[string]wire.Mode{"mesh/a": wire.ModeAmbient, "mesh/out": wire.ModeNone, "plain/b": wire.ModeNone}
 	if !reflect.DeepEqual(p.Pods, want) {
 		t.Errorf("pods %v, want %v", p.Pods, want)
+	}
+}
+
+type fakeZtunnel struct{ dels []string }
+
+func (f *fakeZtunnel) Add(context.Context, string, zds.WorkloadInfo, *os.File) error { return nil }
+func (f *fakeZtunnel) Del(uid string)                                                { f.dels = append(f.dels, uid) }
+func (f *fakeZtunnel) Track(string, zds.WorkloadInfo, *os.File)                      {}
+
+// A re-created sandbox shares its pod's UID: deleting the old sandbox must
+// not take the pod away from ztunnel while the new one is enrolled.
+func TestDeleteOldSandboxKeepsTheNewOne(t *testing.T) {
+	m, _ := newMesh(t)
+	z := &fakeZtunnel{}
+	m.opts.Ztunnel = z
+	ctx := context.Background()
+	f, err := os.Open("/proc/self/ns/net")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	d := &wire.Decision{Mode: wire.ModeAmbient}
+	old, cur := wpod("mesh", "a", "uid-a"), wpod("mesh", "a", "uid-a")
+	old.ContainerID, cur.ContainerID = "sandbox-1", "sandbox-2"
+	for _, p := range []*wire.Pod{old, cur} {
+		if err := m.Added(ctx, p, d, f, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := m.Deleted(ctx, old); err != nil {
+		t.Fatal(err)
+	}
+	if len(z.dels) != 0 {
+		t.Errorf("old sandbox's DEL sent ZDS Del %v while the new sandbox is enrolled", z.dels)
+	}
+	if err := m.Deleted(ctx, cur); err != nil {
+		t.Fatal(err)
+	}
+	if len(z.dels) != 1 || z.dels[0] != "uid-a" {
+		t.Errorf("last sandbox's DEL: ZDS Del %v", z.dels)
 	}
 }
