@@ -16,6 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	corev1 "k8s.io/api/core/v1"
 
+	"github.com/nftcni/nftcni/agent/zds"
 	"github.com/nftcni/nftcni/integration/testnet"
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
@@ -297,5 +298,34 @@ func TestCNIStatusAndGC(t *testing.T) {
 	}
 	if got := n.mesh.Members(); len(got) != 1 || got[0].Pod.Name != "kept" {
 		t.Errorf("members after GC: %+v, want only kept", got)
+	}
+}
+
+// A pod that was running before the agent knew it (no ADD ever reached
+// this agent) is enrolled late through a /proc scan: its UID from its
+// cgroup path, its netns checked for its IP.
+func TestLateEnrolmentFindsThePodThroughProc(t *testing.T) {
+	n := newCNINode(t, 73)
+	n.startAgent()
+	const uid = "7d2a4c1e-0000-4111-8222-933344445555"
+	p := testnet.NewPair(t, 34)
+	testnet.PodProcess(t, p.Pod, uid)
+	pod := n.pod(meshNS, "old", nil)
+	pod.UID = uid
+	pod.Status.PodIPs = []corev1.PodIP{{IP: p.PodIP4.String()}}
+	if err := n.mesh.Reconcile(context.Background(), meshNS, "old"); err != nil {
+		t.Fatal(err)
+	}
+	if e := n.ztunnel.Wait(zds.KindAdd, uid, 3*time.Second); e.FDs != 1 {
+		t.Errorf("ZDS Add carried %d fds", e.FDs)
+	}
+	if err := nft.Verify(p.Pod.FD, nft.Ambient(nft.AmbientSpec{DNSCapture: true})); err != nil {
+		t.Errorf("rules in the found netns: %v", err)
+	}
+	if err := nft.Verify(p.Node.FD, nft.Ambient(nft.AmbientSpec{DNSCapture: true})); err == nil {
+		t.Error("rules landed in the node netns")
+	}
+	if set := n.probeSet(t); !strings.Contains(set, p.PodIP4.String()) {
+		t.Errorf("probe set lacks the pod:\n%s", set)
 	}
 }

@@ -28,6 +28,7 @@ import (
 	"github.com/nftcni/nftcni/agent/enablement"
 	"github.com/nftcni/nftcni/agent/events"
 	"github.com/nftcni/nftcni/agent/mesh"
+	"github.com/nftcni/nftcni/agent/procscan"
 	"github.com/nftcni/nftcni/agent/zds"
 	"github.com/nftcni/nftcni/conflist"
 	"github.com/nftcni/nftcni/integration/testnet"
@@ -131,7 +132,8 @@ func newCNINode(t testing.TB, subnet int) *cniNode {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { hostNetns.Close() })
-	n.mesh = mesh.New(pol, n.store, mesh.Options{RunDir: n.run, Log: logger, Ztunnel: n.zds, HostNetns: hostNetns, IPv6: true})
+	n.mesh = mesh.New(pol, n.store, mesh.Options{RunDir: n.run, Log: logger, Ztunnel: n.zds, HostNetns: hostNetns, IPv6: true,
+		Finder: &procscan.Scanner{Proc: "/proc", Host: hostNetns}})
 	n.mesh.LookupRetries = 2
 	t.Cleanup(n.mesh.Close)
 	return n

@@ -127,6 +127,17 @@ func TestKubernetesEnrolment(t *testing.T) {
 		t.Errorf("late-enrolled pod's traffic did not reach ztunnel: %v", err)
 	}
 
+	// ztunnel restarts: the new connection's snapshot holds both enrolled
+	// pods, each with its netns.
+	z.Close()
+	z = ztunneltest.Connect(t, h.zsock)
+	for _, uid := range []string{string(cart.UID), string(batch.UID)} {
+		if e := z.Wait(zds.KindAdd, uid, 5*time.Second); e.FDs != 1 {
+			t.Errorf("snapshot Add for %s carried %d fds", uid, e.FDs)
+		}
+	}
+	z.Wait(zds.KindSnapshotSent, "", 5*time.Second)
+
 	// Unenrolment: unlabel shop; cart's rules, annotation, ztunnel hold and
 	// probe entry go, and its traffic goes where it was sent.
 	unpatch := []byte(`{"metadata":{"labels":{"istio.io/dataplane-mode":null}}}`)

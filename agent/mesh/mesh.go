@@ -73,7 +73,12 @@ type Options struct {
 	HostNetns *os.File
 	// IPv6 adds the v6 probe set.
 	IPv6 bool
-	Log  *slog.Logger
+	// Finder finds the netns of a running pod the agent never saw an ADD
+	// for (package procscan); nil: such pods wait for their next sandbox.
+	Finder interface {
+		Find(uid string, ips []netip.Addr) (*os.File, error)
+	}
+	Log *slog.Logger
 }
 
 // Mesh implements events.Handler.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/netip"
 
 	corev1 "k8s.io/api/core/v1"
 
@@ -53,23 +54,62 @@ func (m *Mesh) Reconcile(ctx context.Context, namespace, name string) error {
 			errs = append(errs, m.unenrol(ctx, mb))
 		}
 	}
-	if len(atts) == 0 && m.policy.Decide(pod, m.store.Namespace(namespace), nil).Mode == wire.ModeAmbient && len(podIPs(pod)) > 0 {
-		// Retrying cannot help: the pod's netns is only known from its ADD.
-		m.log.Info("pod should be enrolled but started before this agent knew it; it is enrolled when its sandbox is next created",
-			"pod", key, "err", ErrNoNetns)
+	if len(atts) == 0 && len(podIPs(pod)) > 0 {
+		ips := podIPs(pod)
+		if d := m.policy.Decide(pod, m.store.Namespace(namespace), ips); d.Mode == wire.ModeAmbient {
+			mb, err := m.adopt(pod, ips)
+			if err != nil {
+				// Retrying cannot help until the pod changes.
+				m.log.Info("pod should be enrolled but its netns was not found; it is enrolled when its sandbox is next created", "pod", key, "err", err)
+				return nil
+			}
+			errs = append(errs, m.enrolLate(ctx, mb, d))
+		}
 	}
 	return errors.Join(errs...)
 }
 
-func podIPs(p *corev1.Pod) []string {
-	var out []string
+// podIPs are the pod's addresses from its status.
+func podIPs(p *corev1.Pod) []netip.Prefix {
+	var raw []string
 	for _, ip := range p.Status.PodIPs {
-		out = append(out, ip.IP)
+		raw = append(raw, ip.IP)
 	}
-	if len(out) == 0 && p.Status.PodIP != "" {
-		out = append(out, p.Status.PodIP)
+	if len(raw) == 0 && p.Status.PodIP != "" {
+		raw = append(raw, p.Status.PodIP)
+	}
+	var out []netip.Prefix
+	for _, r := range raw {
+		if a, err := netip.ParseAddr(r); err == nil {
+			out = append(out, netip.PrefixFrom(a, a.BitLen()))
+		}
 	}
 	return out
+}
+
+// adopt finds a running pod's netns through Finder and records the pod as
+// known (not enrolled). Its sandbox's container ID is unknown, so the
+// attachment is named after the pod UID.
+func (m *Mesh) adopt(pod *corev1.Pod, ips []netip.Prefix) (*Member, error) {
+	if m.opts.Finder == nil {
+		return nil, ErrNoNetns
+	}
+	f, err := m.opts.Finder.Find(string(pod.UID), addrs(ips))
+	if err != nil {
+		return nil, err
+	}
+	mb := &Member{UID: string(pod.UID), Mode: wire.ModeNone, decision: &wire.Decision{Mode: wire.ModeNone}, netns: f,
+		Pod: wire.Pod{Namespace: pod.Namespace, Name: pod.Name, UID: string(pod.UID), IPs: ips,
+			Attachment: wire.Attachment{ContainerID: "found:" + string(pod.UID), IfName: "eth0"}}}
+	m.mu.Lock()
+	if old := m.members[mb.Pod.Attachment]; old != nil {
+		old.netns.Close()
+	}
+	m.members[mb.Pod.Attachment] = mb
+	m.saveState()
+	m.mu.Unlock()
+	m.log.Info("found a running pod's netns through /proc", "pod", pod.Namespace+"/"+pod.Name, "uid", pod.UID)
+	return mb, nil
 }
 
 // enrolLate enrols a running pod: ztunnel first, then the rules, then the

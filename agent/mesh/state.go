@@ -202,12 +202,16 @@ func sameFile(path string, f *os.File) bool {
 	return a.Dev == b.Dev && a.Ino == b.Ino
 }
 
-// ClearStaleAnnotations removes the enrolment annotation from pods that
-// carry it but are not enrolled here (their enrolment died with the
-// previous agent before it was recorded); call after Restore.
-func (m *Mesh) ClearStaleAnnotations(ctx context.Context) int {
+// AdoptAnnotated deals with pods annotated as enrolled that Restore did not
+// bring back (no record: an agent that predates this one, a wiped run
+// dir): their netns is looked for through /proc and, if found, their rules
+// are verified and repaired and ztunnel gets them in its snapshot;
+// otherwise the annotation goes, since the pod is not enrolled. Call after
+// Restore, before ztunnel is served. It returns how many were adopted and
+// how many annotations cleared.
+func (m *Mesh) AdoptAnnotated(ctx context.Context) (adopted, cleared int) {
 	if m.opts.Annotator == nil {
-		return 0
+		return 0, 0
 	}
 	enrolled := map[string]bool{}
 	m.mu.Lock()
@@ -217,15 +221,32 @@ func (m *Mesh) ClearStaleAnnotations(ctx context.Context) int {
 		}
 	}
 	m.mu.Unlock()
-	n := 0
 	for _, p := range m.store.Pods() {
-		if _, ok := p.Annotations[enablement.AnnRedirection]; ok && !enrolled[p.Namespace+"/"+p.Name] {
-			if err := m.opts.Annotator.SetRedirection(ctx, p.Namespace, p.Name, ""); err != nil {
-				m.log.Warn("could not clear a stale enrolment annotation", "pod", p.Namespace+"/"+p.Name, "err", err)
+		if _, ok := p.Annotations[enablement.AnnRedirection]; !ok || enrolled[p.Namespace+"/"+p.Name] {
+			continue
+		}
+		d := m.policy.Decide(p, m.store.Namespace(p.Namespace), podIPs(p))
+		if d.Mode == wire.ModeAmbient {
+			if mb, err := m.adopt(p, podIPs(p)); err == nil {
+				rs, _ := d.Ruleset()
+				if nft.Verify(int(mb.netns.Fd()), rs) != nil {
+					if err := nft.Apply(int(mb.netns.Fd()), rs); err != nil {
+						m.log.Error("could not repair an adopted pod's rules", "pod", mb.Pod.Key(), "err", err)
+					}
+				}
+				if m.opts.Ztunnel != nil {
+					m.opts.Ztunnel.Track(mb.UID, m.workload(&mb.Pod), mb.netns)
+				}
+				m.setMode(mb, d)
+				adopted++
 				continue
 			}
-			n++
 		}
+		if err := m.opts.Annotator.SetRedirection(ctx, p.Namespace, p.Name, ""); err != nil {
+			m.log.Warn("could not clear a stale enrolment annotation", "pod", p.Namespace+"/"+p.Name, "err", err)
+			continue
+		}
+		cleared++
 	}
-	return n
+	return adopted, cleared
 }

@@ -20,6 +20,7 @@ import (
 	kubesrc "github.com/nftcni/nftcni/agent/kube"
 	"github.com/nftcni/nftcni/agent/mesh"
 	"github.com/nftcni/nftcni/agent/podsource"
+	"github.com/nftcni/nftcni/agent/procscan"
 	"github.com/nftcni/nftcni/agent/zds"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
@@ -28,7 +29,7 @@ import (
 type ambientFlags struct {
 	kubeconfig                                      string
 	podSource, nodeName, systemNamespace, selectors string
-	ztunnelSocket, hostNetns                        string
+	ztunnelSocket, hostNetns, procDir               string
 	dnsCapture, ipv6                                bool
 }
 
@@ -42,6 +43,7 @@ func (a *ambientFlags) register(f *flagSet) {
 	f.boolean(&a.ipv6, "ambient-ipv6", "AMBIENT_IPV6", true, "add IPv6 rules for pods that have an IPv6 address")
 	f.str(&a.ztunnelSocket, "ztunnel-socket", "ZTUNNEL_UDS_ADDRESS", zds.DefaultSocket, "ZDS socket ztunnel connects to; \"none\": no ztunnel (rules only, for tests and demos)")
 	f.str(&a.hostNetns, "host-netns", "HOST_NETNS", "/proc/self/ns/net", "the host's network namespace, where the probe SNAT table lives")
+	f.str(&a.procDir, "proc-dir", "PROC_DIR", "/proc", "the host's /proc (the agent's pod mounts it at /host/proc): where the netns of pods that predate the agent is found")
 }
 
 func (a *ambientFlags) policy(exclude []string) (*enablement.Policy, error) {
@@ -133,7 +135,8 @@ func serveEvents(ctx context.Context, c *common, a *ambientFlags, policy *enable
 		return nil, nil, err
 	}
 
-	opts := mesh.Options{RunDir: c.runDir, Log: log, IPv6: a.ipv6, HostNetns: hostNetns}
+	opts := mesh.Options{RunDir: c.runDir, Log: log, IPv6: a.ipv6, HostNetns: hostNetns,
+		Finder: &procscan.Scanner{Proc: a.procDir, Host: hostNetns}}
 	if a.ztunnelSocket != "none" {
 		if zl, err = zds.Listen(a.ztunnelSocket); err != nil {
 			return fail(fmt.Errorf("ZDS socket %s: %w", a.ztunnelSocket, err))
@@ -184,12 +187,13 @@ func serveEvents(ctx context.Context, c *common, a *ambientFlags, policy *enable
 	if err != nil {
 		log.Error("could not read the previous agent's pod record; pods enrolled before this start are not restored", "err", err)
 	}
-	pruned, cleared := 0, 0
+	pruned, adopted, cleared := 0, 0, 0
 	if src != "" {
 		pruned = m.PruneGone(ctx)
-		cleared = m.ClearStaleAnnotations(ctx)
+		adopted, cleared = m.AdoptAnnotated(ctx)
 	}
-	log.Info("pods restored from the previous agent", "restored", restored, "rules-repaired", repaired, "gone", pruned, "stale-annotations-cleared", cleared)
+	log.Info("pods restored from the previous agent", "restored", restored, "rules-repaired", repaired, "gone", pruned,
+		"adopted-through-proc", adopted, "stale-annotations-cleared", cleared)
 
 	// 3. Host probe table (exactly the restored members), then ztunnel,
 	// then the plugin.

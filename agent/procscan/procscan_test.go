@@ -1,0 +1,71 @@
+package procscan
+
+import (
+	"errors"
+	"net/netip"
+	"os"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/nftcni/nftcni/integration/testnet"
+)
+
+func TestUIDFromCgroup(t *testing.T) {
+	const uid = "0c4f9a11-2b3c-4d5e-8f90-a1b2c3d4e5f6"
+	for name, text := range map[string]string{
+		"v1 cgroupfs":            "12:pids:/kubepods/besteffort/pod" + uid + "/8e1f0c\n11:memory:/kubepods/besteffort/pod" + uid + "/8e1f0c\n",
+		"v1 systemd":             "4:memory:/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod0c4f9a11_2b3c_4d5e_8f90_a1b2c3d4e5f6.slice/cri-containerd-8e1f.scope\n",
+		"v2 systemd crio":        "0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod0c4f9a11_2b3c_4d5e_8f90_a1b2c3d4e5f6.slice/crio-8e1f.scope\n",
+		"v2 cgroupfs guaranteed": "0::/kubepods/pod" + uid + "/8e1f0c\n",
+		"k3s":                    "0::/kubepods/besteffort/pod" + uid + "/8e1f0c\n",
+	} {
+		if got := UIDFromCgroup(text); got != uid {
+			t.Errorf("%s: %q, want %q", name, got, uid)
+		}
+	}
+	for _, text := range []string{"0::/\n", "0::/system.slice/containerd.service\n", "4:memory:/user.slice/pod" + uid + "\n", ""} {
+		if got := UIDFromCgroup(text); got != "" {
+			t.Errorf("%q: found %q in a non-pod cgroup", text, got)
+		}
+	}
+}
+
+// A process in a pod-named cgroup inside a pod netns is found; the same
+// UID with the wrong IP, and the host netns, are not.
+func TestFind(t *testing.T) {
+	testnet.RequireRoot(t)
+	const uid = "6b1e0d2a-1111-4222-8333-944455556666"
+	p := testnet.NewPair(t, 31)
+	testnet.PodProcess(t, p.Pod, uid)
+	host, err := os.Open(p.Node.Path) // stands in for the host netns
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer host.Close()
+	s := &Scanner{Proc: "/proc", Host: host}
+	f, err := s.Find(uid, []netip.Addr{p.PodIP4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	var got, want unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &got); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Stat(p.Pod.Path, &want); err != nil {
+		t.Fatal(err)
+	}
+	if got.Ino != want.Ino {
+		t.Errorf("found netns inode %d, want the pod's %d", got.Ino, want.Ino)
+	}
+	if _, err := s.Find(uid, []netip.Addr{netip.MustParseAddr("10.1.2.3")}); !errors.Is(err, ErrNotFound) {
+		t.Errorf("wrong IP: %v", err)
+	}
+	// The pod's process in the "host" netns must never be taken.
+	s.Host, _ = os.Open(p.Pod.Path)
+	defer s.Host.Close()
+	if _, err := s.Find(uid, []netip.Addr{p.PodIP4}); !errors.Is(err, ErrNotFound) {
+		t.Errorf("host netns accepted: %v", err)
+	}
+}
