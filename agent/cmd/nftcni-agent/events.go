@@ -148,11 +148,35 @@ func serveEvents(ctx context.Context, c *common, a *ambientFlags, policy *enable
 	}
 	store := mesh.NewMemStore()
 	m := mesh.New(policy, store, opts)
-	writePolicy := func() {
+	writeNow := func() {
 		if err := m.WritePolicy(); err != nil {
 			log.Error("could not write the policy snapshot the plugin falls back on", "path", filepath.Join(c.runDir, wire.PolicyName), "err", err)
 		}
 	}
+	// Changes come in bursts (an informer's first list, a namespace of
+	// pods): the snapshot is rewritten at most every 100 ms.
+	policyDirty := make(chan struct{}, 1)
+	writePolicy := func() {
+		select {
+		case policyDirty <- struct{}{}:
+		default:
+		}
+	}
+	goWait(func() {
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-policyDirty:
+			}
+			time.Sleep(100 * time.Millisecond)
+			select {
+			case <-policyDirty:
+			default:
+			}
+			writeNow()
+		}
+	})
 
 	// 1. The pod source, complete.
 	var kube *kubesrc.Source
@@ -216,7 +240,7 @@ func serveEvents(ctx context.Context, c *common, a *ambientFlags, policy *enable
 			}
 		})
 	}
-	writePolicy()
+	writeNow()
 	sock := filepath.Join(c.runDir, wire.SocketName)
 	l, err := events.Listen(sock)
 	if err != nil {
