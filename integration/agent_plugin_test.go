@@ -2,6 +2,7 @@ package integration
 
 import (
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -35,40 +36,83 @@ kind: Pod
 metadata: {name: web, namespace: plain, uid: uid-web}
 `
 
+// agentNode is a node run the real way: the agent process manages the host
+// layout h (conf and bin dirs, run dir, ztunnel socket, a netns standing in
+// for the host's), whose primary CNI config is given, and libcni runs the
+// chain the agent installed from the node netns.
+type agentNode struct {
+	*cniNode
+	h       *host
+	primary string
+}
+
+// newAgentNode writes primary (nil: the bridge chain) as the node's only
+// CNI config.
+func newAgentNode(t testing.TB, subnet int, primary []byte) *agentNode {
+	t.Helper()
+	a := &agentNode{cniNode: newCNINode(t, subnet), h: newHost(t)}
+	if err := os.Remove(a.h.path()); err != nil {
+		t.Fatal(err)
+	}
+	if primary == nil {
+		primary = a.cniNode.primary("bridge", "1.0.0")
+	}
+	a.primary = filepath.Join(a.h.conf, "10-nftnet.conflist")
+	if err := os.WriteFile(a.primary, primary, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	a.cni = libcni.NewCNIConfigWithCacheDir([]string{a.h.bin, referencePlugins(t)}, t.TempDir(), nil)
+	return a
+}
+
+// start runs the agent with args until ready and connects a test ztunnel,
+// which has had its snapshot when start returns.
+func (a *agentNode) start(t testing.TB, args ...string) (*exec.Cmd, *ztunneltest.Ztunnel) {
+	t.Helper()
+	cmd, addr, _ := startAgent(t, a.h, args...)
+	waitReady(t, addr)
+	z := ztunneltest.Connect(t, a.h.zsock)
+	z.Wait(zds.KindSnapshotSent, "", 30*time.Second)
+	return cmd, z
+}
+
+// installed reads the conflist as the agent patched it.
+func (a *agentNode) installed(t testing.TB) *libcni.NetworkConfigList {
+	t.Helper()
+	l, err := libcni.ConfListFromFile(a.primary)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return l
+}
+
+// podSourceDir writes manifests into a fresh pod source dir.
+func podSourceDir(t testing.TB, manifests string) string {
+	t.Helper()
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, "pods.yaml"), []byte(manifests), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
+
 // The node as it runs: the agent process installs the plugin into the bin
 // dir and patches the primary's conflist, serves the plugin from its
 // static pod source, and keeps the policy snapshot current; the runtime
 // (libcni) reads the patched conflist and runs the installed binary.
 func TestAgentProcessServesThePlugin(t *testing.T) {
-	n := newCNINode(t, 64)
-	h := newHost(t)
-	if err := os.Remove(h.path()); err != nil {
-		t.Fatal(err)
-	}
-	primary := filepath.Join(h.conf, "10-nftnet.conflist")
-	if err := os.WriteFile(primary, n.primary("bridge", "1.0.0"), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	src := t.TempDir()
-	if err := os.WriteFile(filepath.Join(src, "pods.yaml"), []byte(podSource), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	cmd, addr, logs := startAgent(t, h, "--pod-source", src, "--plugin-log-level", "debug")
-	waitReady(t, addr)
-	z := ztunneltest.Connect(t, h.zsock)
-	z.Wait(zds.KindSnapshotSent, "", 5*time.Second)
-	n.cni = libcni.NewCNIConfigWithCacheDir([]string{h.bin, referencePlugins(t)}, t.TempDir(), nil)
-	list, err := libcni.ConfListFromFile(primary)
-	if err != nil {
-		t.Fatal(err)
-	}
+	n := newAgentNode(t, 64, nil)
+	h := n.h
+	src := podSourceDir(t, podSource)
+	cmd, z := n.start(t, "--pod-source", src, "--plugin-log-level", "debug")
+	list := n.installed(t)
 	if !strings.Contains(string(list.Bytes), h.run) {
 		t.Fatalf("installed entry does not point at the agent's run dir:\n%s", list.Bytes)
 	}
 
 	app, web := testnet.NewNS(t, "nftpod"), testnet.NewNS(t, "nftpod")
 	if _, err := n.add(list, runtimeConf(app, "mesh", "app", nil)); err != nil {
-		t.Fatalf("ADD mesh/app: %v\n%s", err, logs)
+		t.Fatalf("ADD mesh/app: %v", err)
 	}
 	if _, err := n.add(list, runtimeConf(web, "plain", "web", nil)); err != nil {
 		t.Fatalf("ADD plain/web: %v", err)
@@ -114,7 +158,7 @@ func TestAgentProcessServesThePlugin(t *testing.T) {
 	}
 	late := testnet.NewNS(t, "nftpod")
 	rt := runtimeConf(late, "plain", "web2", nil)
-	_, err = n.add(list, rt)
+	_, err := n.add(list, rt)
 	if err == nil || !strings.Contains(err.Error(), filepath.Join(h.run, wire.SocketName)) {
 		t.Errorf("ADD with the agent stopped: %v, want a refusal naming the socket", err)
 	}
@@ -129,28 +173,10 @@ func TestAgentProcessServesThePlugin(t *testing.T) {
 // re-verifies its rules and hands it to the reconnecting ztunnel in the
 // snapshot, and the pod's DEL still works afterwards.
 func TestAgentRestartKeepsCapture(t *testing.T) {
-	n := newCNINode(t, 67)
-	h := newHost(t)
-	if err := os.Remove(h.path()); err != nil {
-		t.Fatal(err)
-	}
-	primary := filepath.Join(h.conf, "10-nftnet.conflist")
-	if err := os.WriteFile(primary, n.primary("bridge", "1.0.0"), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	src := t.TempDir()
-	if err := os.WriteFile(filepath.Join(src, "pods.yaml"), []byte(podSource), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	cmd, addr, _ := startAgent(t, h, "--pod-source", src)
-	waitReady(t, addr)
-	z1 := ztunneltest.Connect(t, h.zsock)
-	z1.Wait(zds.KindSnapshotSent, "", 5*time.Second)
-	n.cni = libcni.NewCNIConfigWithCacheDir([]string{h.bin, referencePlugins(t)}, t.TempDir(), nil)
-	list, err := libcni.ConfListFromFile(primary)
-	if err != nil {
-		t.Fatal(err)
-	}
+	n := newAgentNode(t, 67, nil)
+	src := podSourceDir(t, podSource)
+	cmd, z1 := n.start(t, "--pod-source", src)
+	list := n.installed(t)
 	app := testnet.NewNS(t, "nftpod")
 	rt := runtimeConf(app, "mesh", "app", nil)
 	if _, err := n.add(list, rt); err != nil {
@@ -187,9 +213,9 @@ func TestAgentRestartKeepsCapture(t *testing.T) {
 	_, _ = cmd.Process.Wait()
 	time.Sleep(200 * time.Millisecond) // no agent at all for a while
 
-	_, addr, _ = startAgent(t, h, "--pod-source", src)
+	_, addr, _ := startAgent(t, n.h, "--pod-source", src)
 	waitReady(t, addr)
-	z2 := ztunneltest.Connect(t, h.zsock)
+	z2 := ztunneltest.Connect(t, n.h.zsock)
 	if e := z2.Wait(zds.KindAdd, "uid-app", 5*time.Second); e.FDs != 1 {
 		t.Errorf("snapshot Add after restart carried %d fds", e.FDs)
 	}

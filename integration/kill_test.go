@@ -5,8 +5,6 @@ import (
 	"fmt"
 	"math/rand"
 	"os"
-	"os/exec"
-	"path/filepath"
 	"slices"
 	"strconv"
 	"sync"
@@ -18,10 +16,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/nftcni/nftcni/agent/enablement"
-	"github.com/nftcni/nftcni/agent/zds"
 	"github.com/nftcni/nftcni/integration/kubetest"
 	"github.com/nftcni/nftcni/integration/testnet"
-	"github.com/nftcni/nftcni/integration/ztunneltest"
 	"github.com/nftcni/nftcni/nft"
 )
 
@@ -48,31 +44,12 @@ func TestAgentKilledDuringAdds(t *testing.T) {
 		Labels: map[string]string{enablement.LabelDataplaneMode: "ambient"}}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	n := newCNINode(t, 68)
-	h := newHost(t)
-	if err := os.Remove(h.path()); err != nil {
-		t.Fatal(err)
-	}
-	primary := filepath.Join(h.conf, "10-nftnet.conflist")
-	if err := os.WriteFile(primary, n.primary("bridge", "1.0.0"), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	n := newAgentNode(t, 68, nil)
 	args := []string{"--kubeconfig", api.Kubeconfig, "--node-name", "node-a"}
-	start := func() (*exec.Cmd, *ztunneltest.Ztunnel) {
-		cmd, addr, _ := startAgent(t, h, args...)
-		waitReady(t, addr)
-		z := ztunneltest.Connect(t, h.zsock)
-		z.Wait(zds.KindSnapshotSent, "", 10*time.Second)
-		return cmd, z
-	}
-	cmd, z := start()
+	cmd, z := n.start(t, args...)
 	baseFDs := fdsOf(t, cmd.Process.Pid)
-	n.cni = libcni.NewCNIConfigWithCacheDir([]string{h.bin, referencePlugins(t)}, t.TempDir(), nil)
-	list, err := libcni.ConfListFromFile(primary)
-	if err != nil {
-		t.Fatal(err)
-	}
-	hostFD := h.netns.FD
+	list := n.installed(t)
+	hostFD := n.h.netns.FD
 	rng := rand.New(rand.NewSource(1))
 
 	for r := range rounds {
@@ -143,7 +120,7 @@ func TestAgentKilledDuringAdds(t *testing.T) {
 			testnet.IP(t, "netns", "del", pr.netns.Name)
 		}
 
-		cmd, z = start()
+		cmd, z = n.start(t, args...)
 		want := []string{}
 		for _, pr := range ok {
 			want = append(want, string(pr.pod.UID))

@@ -10,8 +10,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/containernetworking/cni/libcni"
-
 	"github.com/nftcni/nftcni/agent/zds"
 	"github.com/nftcni/nftcni/integration/testnet"
 	"github.com/nftcni/nftcni/integration/ztunneltest"
@@ -43,35 +41,18 @@ func rssKB(b *testing.B, pid int) int {
 func BenchmarkAgentRestart500(b *testing.B) {
 	const pods = 500
 	testnet.RequireRoot(b)
-	n := newCNINode(b, 69)
-	h := newHost(b)
-	if err := os.Remove(h.path()); err != nil {
-		b.Fatal(err)
-	}
-	primary := filepath.Join(h.conf, "10-bench.conflist")
 	conf := fmt.Sprintf(`{"cniVersion":"1.0.0","name":"bench500","plugins":[{"type":"loopback"},{"type":"bridge","bridge":"nftbr500","isGateway":true,
 	 "ipam":{"type":"host-local","ranges":[[{"subnet":"10.89.0.0/22"}]],"dataDir":%q}}]}`, filepath.Join(b.TempDir(), "ipam"))
-	if err := os.WriteFile(primary, []byte(conf), 0o644); err != nil {
-		b.Fatal(err)
-	}
-	src := b.TempDir()
+	n := newAgentNode(b, 69, []byte(conf)) // a /22: 500 pods on one bridge
+	h := n.h
 	var manifest strings.Builder
 	manifest.WriteString("apiVersion: v1\nkind: Namespace\nmetadata: {name: mesh, labels: {istio.io/dataplane-mode: ambient}}\n")
 	for i := range pods {
 		fmt.Fprintf(&manifest, "---\napiVersion: v1\nkind: Pod\nmetadata: {name: p%d, namespace: mesh, uid: uid-p%d}\n", i, i)
 	}
-	if err := os.WriteFile(filepath.Join(src, "pods.yaml"), []byte(manifest.String()), 0o644); err != nil {
-		b.Fatal(err)
-	}
-	cmd, addr, _ := startAgent(b, h, "--pod-source", src)
-	waitReady(b, addr)
-	z := ztunneltest.Connect(b, h.zsock)
-	z.Wait(zds.KindSnapshotSent, "", 10*time.Second)
-	n.cni = libcni.NewCNIConfigWithCacheDir([]string{h.bin, referencePlugins(b)}, b.TempDir(), nil)
-	list, err := libcni.ConfListFromFile(primary)
-	if err != nil {
-		b.Fatal(err)
-	}
+	src := podSourceDir(b, manifest.String())
+	cmd, z := n.start(b, "--pod-source", src)
+	list := n.installed(b)
 	nss := make([]*testnet.NS, pods)
 	for i := range nss {
 		nss[i] = testnet.NewNS(b, "nftb500")
@@ -105,6 +86,7 @@ func BenchmarkAgentRestart500(b *testing.B) {
 		_, _ = cmd.Process.Wait()
 		z.Close()
 		t0 := time.Now()
+		var addr string
 		cmd, addr, _ = startAgent(b, h, "--pod-source", src)
 		z = ztunneltest.Connect(b, h.zsock)
 		z.Wait(zds.KindSnapshotSent, "", 30*time.Second)

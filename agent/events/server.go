@@ -14,7 +14,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"io/fs"
 	"log/slog"
 	"maps"
 	"net"
@@ -26,6 +25,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/nftcni/nftcni/agent/unixsock"
 	"github.com/nftcni/nftcni/conflist"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
@@ -91,32 +91,8 @@ func NewServer(h Handler, log *slog.Logger, m *Metrics) *Server {
 	return &Server{h: h, log: log, metrics: m, Timeout: 10 * time.Second, MaxConns: 256}
 }
 
-// Listen binds the socket at path: the parent dir is created 0750, a stale
-// socket from an earlier agent is removed (anything else at the path is an
-// error), and the socket is made 0600. Peer credentials are checked on
-// every connection as well, so the moment between bind and chmod is safe.
-func Listen(path string) (*net.UnixListener, error) {
-	if err := os.MkdirAll(filepath.Dir(path), 0o750); err != nil {
-		return nil, err
-	}
-	if st, err := os.Lstat(path); err == nil {
-		if st.Mode().Type() != fs.ModeSocket {
-			return nil, fmt.Errorf("%s exists and is not a socket; not removing it", path)
-		}
-		if err := os.Remove(path); err != nil {
-			return nil, fmt.Errorf("removing stale socket: %w", err)
-		}
-	}
-	l, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: path, Net: "unixpacket"})
-	if err != nil {
-		return nil, err
-	}
-	if err := os.Chmod(path, 0o600); err != nil {
-		l.Close()
-		return nil, err
-	}
-	return l, nil
-}
+// Listen binds the plugin socket at path, root-only, in a 0750 dir.
+func Listen(path string) (*net.UnixListener, error) { return unixsock.Listen(path, 0o750) }
 
 // Serve accepts connections until ctx ends, then closes l and waits for
 // the connections in flight.

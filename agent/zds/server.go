@@ -4,11 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io/fs"
 	"log/slog"
 	"net"
 	"os"
-	"path/filepath"
 	"sort"
 	"sync"
 	"time"
@@ -16,6 +14,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sys/unix"
 
+	"github.com/nftcni/nftcni/agent/unixsock"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
 
@@ -58,30 +57,9 @@ func NewServer(log *slog.Logger, reg prometheus.Registerer) *Server {
 	return &Server{log: log, connected: g, pods: map[string]*pod{}}
 }
 
-// Listen binds the ZDS socket: stale socket removed, anything else at the
-// path refused, mode 0600 (ztunnel runs as root; peers are checked too).
-func Listen(path string) (*net.UnixListener, error) {
-	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-		return nil, err
-	}
-	if st, err := os.Lstat(path); err == nil {
-		if st.Mode().Type() != fs.ModeSocket {
-			return nil, fmt.Errorf("%s exists and is not a socket; not removing it", path)
-		}
-		if err := os.Remove(path); err != nil {
-			return nil, err
-		}
-	}
-	l, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: path, Net: "unixpacket"})
-	if err != nil {
-		return nil, err
-	}
-	if err := os.Chmod(path, 0o600); err != nil {
-		l.Close()
-		return nil, err
-	}
-	return l, nil
-}
+// Listen binds the ZDS socket, root-only (ztunnel runs as root), in a
+// dir ztunnel's pod mounts too.
+func Listen(path string) (*net.UnixListener, error) { return unixsock.Listen(path, 0o755) }
 
 // Serve accepts ztunnel connections until ctx ends.
 func (s *Server) Serve(ctx context.Context, l *net.UnixListener) error {
