@@ -20,6 +20,8 @@ go test -run '^$' -bench 'ApplyFresh' -benchtime 300x -count=1 ./nft | tee -a "$
 go test -run '^$' -bench 'Apply1000Concurrent' -benchtime 3x -count=1 ./nft | tee -a "$out"
 # CNI ADD through libcni with the reference plugins: what nftcni adds.
 go test -run '^$' -bench 'CNIAdd' -benchtime 100x -count=1 ./integration | tee -a "$out"
+# The agent with 500 enrolled pods: enrolment throughput, restart, memory.
+go test -run '^$' -bench 'AgentRestart500' -benchtime 3x -count=1 -timeout 30m ./integration | tee -a "$out"
 
 ns() { awk -v n="$1" '$1 ~ n {for (i=1;i<=NF;i++) if ($(i+1)=="ns/op") {print $i; exit}}' "$out"; }
 ratio() { # name-of-comparison name-of-ours
@@ -50,3 +52,11 @@ if [ -n "$(metric primary-ms-median)" ]; then
 	printf "    %-34s %6.2f\n" "exec of nftcni for VERSION (floor)" "$(metric exec-ms-median)"
 fi
 printf "  plugin binary (static, stripped): %s bytes\n" "$(stat -c %s bin/nftcni)"
+am() { awk -v m="$1" '/^BenchmarkAgentRestart500/ {for (i=1;i<=NF;i++) if ($(i+1)==m) {print $i; exit}}' "$out"; }
+if [ -n "$(am s/restart-500pods)" ]; then
+	echo "  agent with 500 enrolled pods (agent process, static pod source, test ztunnel):"
+	printf "    %-44s %8s\n" "enrolment through libcni, 8 at a time (pods/s)" "$(am pods/s-enrol)"
+	printf "    %-44s %8s\n" "restart to ready, all 500 restored (s)" "$(am s/restart-500pods)"
+	printf "    %-44s %8s\n" "agent RSS with 500 pods (MB)" "$(am MB-rss-500pods)"
+	printf "    %-44s %8s\n" "agent RSS after the restart (MB)" "$(am MB-rss-after-restart)"
+fi
