@@ -71,7 +71,7 @@ func BenchmarkCNIAdd(b *testing.B) {
 			_, err := n.add(lists[v], rt)
 			took := time.Since(start)
 			if err != nil {
-				b.Fatalf("%s ADD: %v", v, err)
+				b.Fatalf("%s ADD: %v\nagent log:\n%s", v, err, n.log)
 			}
 			samples[v] = append(samples[v], took)
 			if err := n.del(lists[v], rt); err != nil {

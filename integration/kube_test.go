@@ -53,10 +53,24 @@ func TestKubernetesEnrolment(t *testing.T) {
 	}
 	cart, batch := mkPod("shop", "cart"), mkPod("legacy", "batch")
 	mkPod("shop", "elsewhere") // bound to node-a too, never ADDed here
+	// Annotated as enrolled by an agent before this one, which this agent
+	// cannot find a netns for: ztunnel must be told to keep it.
+	ghost, err := cs.CoreV1().Pods("shop").Create(ctx, &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "ghost", Namespace: "shop",
+		Annotations: map[string]string{enablement.AnnRedirection: "enabled"}},
+		Spec: corev1.PodSpec{NodeName: "node-a", Containers: []corev1.Container{{Name: "app", Image: "app"}}}}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
 
 	n := newAgentNode(t, 66, nil)
 	h := n.h
-	_, z := n.start(t, "--kubeconfig", api.Kubeconfig, "--node-name", "node-a")
+	_, addr, _ := startAgent(t, h, "--kubeconfig", api.Kubeconfig, "--node-name", "node-a")
+	waitReady(t, addr)
+	z := ztunneltest.Connect(t, h.zsock)
+	if e := z.Wait(zds.KindKeep, string(ghost.UID), 5*time.Second); e.FDs != 0 {
+		t.Errorf("Keep carried %d fds", e.FDs)
+	}
+	z.Wait(zds.KindSnapshotSent, "", 5*time.Second)
 	list := n.installed(t)
 	rtFor := func(netns *testnet.NS, p *corev1.Pod) *libcni.RuntimeConf {
 		rt := runtimeConf(netns, p.Namespace, p.Name, nil)

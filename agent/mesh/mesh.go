@@ -201,9 +201,10 @@ func (m *Mesh) Added(ctx context.Context, p *wire.Pod, d *wire.Decision, netns *
 	if err == nil {
 		m.mu.Lock()
 		old = m.members[p.Attachment]
-		m.members[p.Attachment] = &Member{Pod: *p, Mode: d.Mode, UID: uid, decision: d, netns: fd,
+		mb := &Member{Pod: *p, Mode: d.Mode, UID: uid, decision: d, netns: fd,
 			pathVisible: p.Netns != "" && sameFile(p.Netns, fd)}
-		m.saveState()
+		m.members[p.Attachment] = mb
+		m.saveMember(mb)
 		m.mu.Unlock()
 	}
 	m.hostMu.Unlock()
@@ -307,7 +308,7 @@ func (m *Mesh) forget(a wire.Attachment) bool {
 	old := m.members[a]
 	delete(m.members, a)
 	if old != nil {
-		m.saveState()
+		m.dropMember(a)
 	}
 	m.mu.Unlock()
 	if old != nil {

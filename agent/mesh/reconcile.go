@@ -106,7 +106,7 @@ func (m *Mesh) adopt(pod *corev1.Pod, ips []netip.Prefix) (*Member, error) {
 		old.netns.Close()
 	}
 	m.members[mb.Pod.Attachment] = mb
-	m.saveState()
+	m.saveMember(mb)
 	m.mu.Unlock()
 	m.log.Info("found a running pod's netns through /proc", "pod", pod.Namespace+"/"+pod.Name, "uid", pod.UID)
 	return mb, nil
@@ -185,6 +185,6 @@ func (m *Mesh) release(ctx context.Context, mb *Member, annotated bool) {
 func (m *Mesh) setMode(mb *Member, d *wire.Decision) {
 	m.mu.Lock()
 	mb.Mode, mb.decision = d.Mode, d
-	m.saveState()
+	m.saveMember(mb)
 	m.mu.Unlock()
 }

@@ -2,6 +2,8 @@ package mesh
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -14,14 +16,17 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/nftcni/nftcni/agent/enablement"
+	"github.com/nftcni/nftcni/agent/zds"
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
 
-// StateName is the agent's record of the pods it knows, in the run dir.
-// It lets a restarted agent find every pod's netns again, re-check its
-// rules and give ztunnel a full snapshot, so no pod loses capture.
-const StateName = "pods.json"
+// StateDir holds the agent's record of the pods it knows, one small file
+// per attachment in the run dir. It lets a restarted agent find every
+// pod's netns again, re-check its rules and give ztunnel a full snapshot,
+// so no pod loses capture. One file per pod keeps each ADD's write small
+// whatever the number of pods.
+const StateDir = "pods"
 
 type savedPod struct {
 	Pod      wire.Pod       `json:"pod"`
@@ -29,28 +34,71 @@ type savedPod struct {
 	Decision *wire.Decision `json:"decision"`
 }
 
-// saveState writes the record; called with m.mu held. A process crash
-// leaves the old or the new file (rename); it is not fsynced, because a
-// machine crash restarts every pod anyway.
-func (m *Mesh) saveState() {
+func (m *Mesh) statePath(a wire.Attachment) string {
+	sum := sha256.Sum256([]byte(a.ContainerID + "/" + a.IfName))
+	return filepath.Join(m.runDir, StateDir, hex.EncodeToString(sum[:12])+".json")
+}
+
+// saveMember records one member before its enrolment is acknowledged. A
+// process crash leaves the old or the new file (rename); it is not fsynced,
+// because a machine crash restarts every pod anyway.
+func (m *Mesh) saveMember(mb *Member) {
 	if m.runDir == "" {
 		return
 	}
-	var out []savedPod
-	for _, mb := range m.members {
-		out = append(out, savedPod{Pod: mb.Pod, UID: mb.UID, Decision: mb.decision})
-	}
-	b, err := json.Marshal(out)
+	b, err := json.Marshal(savedPod{Pod: mb.Pod, UID: mb.UID, Decision: mb.decision})
+	path := m.statePath(mb.Pod.Attachment)
 	if err == nil {
-		path := filepath.Join(m.runDir, StateName)
+		err = os.MkdirAll(filepath.Dir(path), 0o700)
+	}
+	if err == nil {
 		tmp := path + ".tmp"
 		if err = os.WriteFile(tmp, b, 0o600); err == nil {
 			err = os.Rename(tmp, path)
 		}
 	}
 	if err != nil {
-		m.log.Error("could not save the pod record; a restart would not find these pods", "dir", m.runDir, "err", err)
+		m.log.Error("could not record a pod; a restart would not find it", "pod", mb.Pod.Key(), "err", err)
 	}
+}
+
+// dropMember removes a member's record.
+func (m *Mesh) dropMember(a wire.Attachment) {
+	if m.runDir == "" {
+		return
+	}
+	if err := os.Remove(m.statePath(a)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		m.log.Warn("could not remove a pod's record", "err", err)
+	}
+}
+
+func (m *Mesh) readState() ([]savedPod, error) {
+	dir := filepath.Join(m.runDir, StateDir)
+	ents, err := os.ReadDir(dir)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	var out []savedPod
+	for _, e := range ents {
+		if filepath.Ext(e.Name()) != ".json" {
+			_ = os.Remove(filepath.Join(dir, e.Name())) // a temp file a crash left
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join(dir, e.Name()))
+		var sp savedPod
+		if err == nil {
+			err = json.Unmarshal(b, &sp)
+		}
+		if err != nil {
+			m.log.Warn("skipping an unreadable pod record", "file", e.Name(), "err", err)
+			continue
+		}
+		out = append(out, sp)
+	}
+	return out, nil
 }
 
 // Restore reloads the pods a previous agent knew: each netns is reopened
@@ -59,16 +107,9 @@ func (m *Mesh) saveState() {
 // verified and repaired, and ztunnel's next snapshot includes them.
 // It returns how many pods were restored and how many rulesets repaired.
 func (m *Mesh) Restore(ctx context.Context) (restored, repaired int, err error) {
-	b, err := os.ReadFile(filepath.Join(m.runDir, StateName))
-	if errors.Is(err, os.ErrNotExist) {
-		return 0, 0, nil
-	}
+	saved, err := m.readState()
 	if err != nil {
 		return 0, 0, err
-	}
-	var saved []savedPod
-	if err := json.Unmarshal(b, &saved); err != nil {
-		return 0, 0, fmt.Errorf("pod record %s: %w", StateName, err)
 	}
 	for _, sp := range saved {
 		d := sp.Decision
@@ -83,6 +124,7 @@ func (m *Mesh) Restore(ctx context.Context) (restored, repaired int, err error) 
 				// enrolment left outside it (probe entry, annotation).
 				m.release(ctx, &Member{Pod: sp.Pod, UID: sp.UID, Mode: d.Mode}, true)
 			}
+			m.dropMember(sp.Pod.Attachment)
 			continue
 		}
 		if rs, _ := d.Ruleset(); rs != nil {
@@ -103,9 +145,6 @@ func (m *Mesh) Restore(ctx context.Context) (restored, repaired int, err error) 
 		m.mu.Unlock()
 		restored++
 	}
-	m.mu.Lock()
-	m.saveState()
-	m.mu.Unlock()
 	return restored, repaired, nil
 }
 
@@ -204,14 +243,17 @@ func sameFile(path string, f *os.File) bool {
 
 // AdoptAnnotated deals with pods annotated as enrolled that Restore did not
 // bring back (no record: an agent that predates this one, a wiped run
-// dir): their netns is looked for through /proc and, if found, their rules
-// are verified and repaired and ztunnel gets them in its snapshot;
-// otherwise the annotation goes, since the pod is not enrolled. Call after
-// Restore, before ztunnel is served. It returns how many were adopted and
-// how many annotations cleared.
-func (m *Mesh) AdoptAnnotated(ctx context.Context) (adopted, cleared int) {
+// dir). Their netns is looked for through /proc. A pod that should still
+// be enrolled is adopted (rules verified, in ztunnel's snapshot) or, when
+// its netns cannot be found, kept in ztunnel's snapshot without one (ZDS
+// KeepWorkload, as istio-cni does), so ztunnel does not drop a proxy that
+// may be serving it. A pod that should no longer be enrolled has its rules
+// removed when found and its annotation cleared. Call after Restore,
+// before ztunnel is served. It returns how many were adopted, kept without
+// a netns, and cleared.
+func (m *Mesh) AdoptAnnotated(ctx context.Context) (adopted, kept, cleared int) {
 	if m.opts.Annotator == nil {
-		return 0, 0
+		return 0, 0, 0
 	}
 	enrolled := map[string]bool{}
 	m.mu.Lock()
@@ -225,28 +267,41 @@ func (m *Mesh) AdoptAnnotated(ctx context.Context) (adopted, cleared int) {
 		if _, ok := p.Annotations[enablement.AnnRedirection]; !ok || enrolled[p.Namespace+"/"+p.Name] {
 			continue
 		}
-		d := m.policy.Decide(p, m.store.Namespace(p.Namespace), podIPs(p))
-		if d.Mode == wire.ModeAmbient {
-			if mb, err := m.adopt(p, podIPs(p)); err == nil {
-				rs, _ := d.Ruleset()
-				if nft.Verify(int(mb.netns.Fd()), rs) != nil {
-					if err := nft.Apply(int(mb.netns.Fd()), rs); err != nil {
-						m.log.Error("could not repair an adopted pod's rules", "pod", mb.Pod.Key(), "err", err)
-					}
+		key := p.Namespace + "/" + p.Name
+		ips := podIPs(p)
+		d := m.policy.Decide(p, m.store.Namespace(p.Namespace), ips)
+		mb, err := m.adopt(p, ips)
+		switch {
+		case d.Mode == wire.ModeAmbient && err == nil:
+			rs, _ := d.Ruleset()
+			if nft.Verify(int(mb.netns.Fd()), rs) != nil {
+				if err := nft.Apply(int(mb.netns.Fd()), rs); err != nil {
+					m.log.Error("could not repair an adopted pod's rules", "pod", key, "err", err)
 				}
-				if m.opts.Ztunnel != nil {
-					m.opts.Ztunnel.Track(mb.UID, m.workload(&mb.Pod), mb.netns)
-				}
-				m.setMode(mb, d)
-				adopted++
-				continue
+			}
+			if m.opts.Ztunnel != nil {
+				m.opts.Ztunnel.Track(mb.UID, m.workload(&mb.Pod), mb.netns)
+			}
+			m.setMode(mb, d)
+			adopted++
+			continue
+		case d.Mode == wire.ModeAmbient:
+			if m.opts.Ztunnel != nil {
+				m.opts.Ztunnel.Track(string(p.UID), zds.WorkloadInfo{Name: p.Name, Namespace: p.Namespace, ServiceAccount: p.Spec.ServiceAccountName}, nil)
+			}
+			m.log.Warn("pod annotated as enrolled but its netns was not found; kept in ztunnel's snapshot without one", "pod", key, "err", err)
+			kept++
+			continue
+		case err == nil:
+			if derr := nft.Delete(int(mb.netns.Fd()), nft.PodCleanup()); derr != nil {
+				m.log.Warn("could not remove the rules of a pod no longer enrolled", "pod", key, "err", derr)
 			}
 		}
 		if err := m.opts.Annotator.SetRedirection(ctx, p.Namespace, p.Name, ""); err != nil {
-			m.log.Warn("could not clear a stale enrolment annotation", "pod", p.Namespace+"/"+p.Name, "err", err)
+			m.log.Warn("could not clear a stale enrolment annotation", "pod", key, "err", err)
 			continue
 		}
 		cleared++
 	}
-	return adopted, cleared
+	return adopted, kept, cleared
 }

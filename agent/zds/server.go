@@ -382,6 +382,9 @@ func (c *conn) alive() bool {
 	_ = rc.Control(func(fd uintptr) {
 		p := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN | unix.POLLRDHUP}}
 		n, err := unix.Poll(p, 0)
+		for errors.Is(err, unix.EINTR) { // the Go runtime's preemption signals interrupt poll
+			n, err = unix.Poll(p, 0)
+		}
 		if err != nil || (n > 0 && p[0].Revents != 0) {
 			ok = false
 		}

@@ -211,13 +211,13 @@ func serveEvents(ctx context.Context, c *common, a *ambientFlags, policy *enable
 	if err != nil {
 		log.Error("could not read the previous agent's pod record; pods enrolled before this start are not restored", "err", err)
 	}
-	pruned, adopted, cleared := 0, 0, 0
+	pruned, adopted, kept, cleared := 0, 0, 0, 0
 	if src != "" {
 		pruned = m.PruneGone(ctx)
-		adopted, cleared = m.AdoptAnnotated(ctx)
+		adopted, kept, cleared = m.AdoptAnnotated(ctx)
 	}
 	log.Info("pods restored from the previous agent", "restored", restored, "rules-repaired", repaired, "gone", pruned,
-		"adopted-through-proc", adopted, "stale-annotations-cleared", cleared)
+		"adopted-through-proc", adopted, "kept-without-netns", kept, "stale-annotations-cleared", cleared)
 
 	// 3. Host probe table (exactly the restored members), then ztunnel,
 	// then the plugin.
