@@ -16,8 +16,8 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
-	"runtime/debug"
 	"path/filepath"
+	"runtime/debug"
 	"strconv"
 	"syscall"
 
