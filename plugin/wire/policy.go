@@ -46,17 +46,23 @@ func (p *Policy) Fallback(ns, key string) (enrol bool, why string) {
 	return false, fmt.Sprintf("namespace %s is not enrolled", ns)
 }
 
-// ReadPolicy reads a snapshot; it is small, so anything over MaxMessage
-// bytes is refused as not ours.
+// maxPolicy bounds a snapshot: a few hundred pods take tens of KiB.
+const maxPolicy = 4 << 20
+
+// ReadPolicy reads a snapshot; anything over maxPolicy is refused as not
+// ours rather than read into a short-lived plugin.
 func ReadPolicy(path string) (*Policy, error) {
 	f, err := os.Open(path)
 	if err != nil {
 		return nil, err
 	}
 	defer f.Close()
-	b, err := io.ReadAll(io.LimitReader(f, 4<<20))
+	b, err := io.ReadAll(io.LimitReader(f, maxPolicy+1))
 	if err != nil {
 		return nil, err
+	}
+	if len(b) > maxPolicy {
+		return nil, fmt.Errorf("policy snapshot %s is over %d bytes", path, maxPolicy)
 	}
 	p := &Policy{}
 	if err := json.Unmarshal(b, p); err != nil {
