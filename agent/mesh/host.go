@@ -75,36 +75,34 @@ func (m *Mesh) hostRuleset(present []nft.Member) *nft.Ruleset {
 // agent). Only call it when the members are complete: at start, after
 // Restore.
 func (m *Mesh) PruneHost() error {
-	if m.opts.HostNetns == nil {
-		return nil
-	}
-	m.hostMu.Lock()
-	defer m.hostMu.Unlock()
-	rs := m.hostRuleset(nil)
-	fd := int(m.opts.HostNetns.Fd())
-	if nft.Verify(fd, rs) == nil {
-		return nil
-	}
-	return nft.Apply(fd, rs)
+	_, err := m.assertHost(false)
+	return err
 }
 
-// EnsureHost makes the host probe table hold what the members need,
-// replacing it atomically when it is missing or drifted (someone flushed
-// the ruleset, a firewall reload: istio#60607). It reports whether it had
-// to repair.
-func (m *Mesh) EnsureHost() (bool, error) {
+// EnsureHost makes the host probe table hold what the members need, and
+// keeps entries already there, replacing it atomically when it is missing
+// or drifted (someone flushed the ruleset, a firewall reload:
+// istio#60607). It reports whether it had to repair.
+func (m *Mesh) EnsureHost() (bool, error) { return m.assertHost(true) }
+
+// assertHost verifies the host table against the members (plus, with
+// keepPresent, the elements already in it) and re-applies it on drift.
+func (m *Mesh) assertHost(keepPresent bool) (bool, error) {
 	if m.opts.HostNetns == nil {
 		return false, nil
 	}
 	fd := int(m.opts.HostNetns.Fd())
 	m.hostMu.Lock()
 	defer m.hostMu.Unlock()
-	present, err := nft.ProbeMembers(fd)
-	if err != nil {
-		return false, err
+	var present []nft.Member
+	if keepPresent {
+		var err error
+		if present, err = nft.ProbeMembers(fd); err != nil {
+			return false, err
+		}
 	}
 	rs := m.hostRuleset(present)
-	err = nft.Verify(fd, rs)
+	err := nft.Verify(fd, rs)
 	var drift *nft.DriftError
 	if err == nil {
 		return false, nil

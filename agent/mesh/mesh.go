@@ -86,7 +86,6 @@ type Mesh struct {
 	policy *enablement.Policy
 	store  Store
 	opts   Options
-	runDir string
 	log    *slog.Logger
 
 	// LookupRetries and LookupDelay ride out informer lag for a pod the
@@ -107,7 +106,7 @@ func New(policy *enablement.Policy, store Store, opts Options) *Mesh {
 	if opts.Log == nil {
 		opts.Log = slog.New(slog.DiscardHandler)
 	}
-	return &Mesh{policy: policy, store: store, opts: opts, runDir: opts.RunDir, log: opts.Log,
+	return &Mesh{policy: policy, store: store, opts: opts, log: opts.Log,
 		LookupRetries: 10, LookupDelay: 10 * time.Millisecond, members: map[wire.Attachment]*Member{}}
 }
 
@@ -227,11 +226,9 @@ func (m *Mesh) Added(ctx context.Context, p *wire.Pod, d *wire.Decision, netns *
 	return nil
 }
 
-// Redirection annotation values, as Istio writes them.
-const (
-	RedirectionEnabled = "enabled"
-	RedirectionPending = "pending"
-)
+// RedirectionEnabled is the annotation value of an enrolled pod. Istio's
+// "pending" (rules without ztunnel) cannot arise here: ztunnel acks first.
+const RedirectionEnabled = "enabled"
 
 // Deleted is the pod's DEL: ztunnel lets go, the probe set forgets its IPs,
 // and the kept netns is closed. The pod's own rules went with DEL already.
@@ -362,8 +359,8 @@ func (m *Mesh) Policy() *wire.Policy {
 
 // WritePolicy refreshes the snapshot in the run dir.
 func (m *Mesh) WritePolicy() error {
-	if m.runDir == "" {
+	if m.opts.RunDir == "" {
 		return errors.New("no run dir")
 	}
-	return events.WritePolicy(m.runDir, m.Policy())
+	return events.WritePolicy(m.opts.RunDir, m.Policy())
 }

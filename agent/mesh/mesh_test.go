@@ -111,7 +111,7 @@ func TestPolicySnapshot(t *testing.T) {
 	if err := m.WritePolicy(); err != nil {
 		t.Fatal(err)
 	}
-	p, err := wire.ReadPolicy(filepath.Join(m.runDir, wire.PolicyName))
+	p, err := wire.ReadPolicy(filepath.Join(m.opts.RunDir, wire.PolicyName))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -36,14 +36,14 @@ type savedPod struct {
 
 func (m *Mesh) statePath(a wire.Attachment) string {
 	sum := sha256.Sum256([]byte(a.ContainerID + "/" + a.IfName))
-	return filepath.Join(m.runDir, StateDir, hex.EncodeToString(sum[:12])+".json")
+	return filepath.Join(m.opts.RunDir, StateDir, hex.EncodeToString(sum[:12])+".json")
 }
 
 // saveMember records one member before its enrolment is acknowledged. A
 // process crash leaves the old or the new file (rename); it is not fsynced,
 // because a machine crash restarts every pod anyway.
 func (m *Mesh) saveMember(mb *Member) {
-	if m.runDir == "" {
+	if m.opts.RunDir == "" {
 		return
 	}
 	b, err := json.Marshal(savedPod{Pod: mb.Pod, UID: mb.UID, Decision: mb.decision})
@@ -64,7 +64,7 @@ func (m *Mesh) saveMember(mb *Member) {
 
 // dropMember removes a member's record.
 func (m *Mesh) dropMember(a wire.Attachment) {
-	if m.runDir == "" {
+	if m.opts.RunDir == "" {
 		return
 	}
 	if err := os.Remove(m.statePath(a)); err != nil && !errors.Is(err, os.ErrNotExist) {
@@ -73,7 +73,7 @@ func (m *Mesh) dropMember(a wire.Attachment) {
 }
 
 func (m *Mesh) readState() ([]savedPod, error) {
-	dir := filepath.Join(m.runDir, StateDir)
+	dir := filepath.Join(m.opts.RunDir, StateDir)
 	ents, err := os.ReadDir(dir)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil, nil

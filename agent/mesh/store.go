@@ -1,6 +1,8 @@
 package mesh
 
 import (
+	"maps"
+	"slices"
 	"sync"
 
 	corev1 "k8s.io/api/core/v1"
@@ -58,22 +60,14 @@ func (s *MemStore) Namespace(name string) *corev1.Namespace {
 func (s *MemStore) Pods() []*corev1.Pod {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
-	out := make([]*corev1.Pod, 0, len(s.pods))
-	for _, p := range s.pods {
-		out = append(out, p)
-	}
-	return out
+	return slices.Collect(maps.Values(s.pods))
 }
 
 // Namespaces implements Store.
 func (s *MemStore) Namespaces() []*corev1.Namespace {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
-	out := make([]*corev1.Namespace, 0, len(s.nss))
-	for _, n := range s.nss {
-		out = append(out, n)
-	}
-	return out
+	return slices.Collect(maps.Values(s.nss))
 }
 
 // Replace swaps the whole content at once, so readers see the old set or
