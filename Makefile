@@ -7,7 +7,7 @@ VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -s -w -X main.version=$(VERSION)
 export CGO_ENABLED := 0
 
-.PHONY: all build test unit bench demo lint fuzz clean cni-plugins k8s-bins
+.PHONY: all build test unit bench demo lint fuzz clean deps cni-plugins k8s-bins containerd-bins
 
 # The reference CNI plugins and cnitool, built from the Go module proxy once
 # and cached: the end-to-end tests chain nftcni after them.
@@ -21,6 +21,11 @@ export NFTCNI_CNI_BIN := $(CNI_BIN)
 # module proxy once (about 5 minutes cold on 2 cores) by hack/k8s-bins.sh.
 K8S_BIN             := $(CACHE)/k8s-v1.37.2
 export NFTCNI_K8S_BIN := $(K8S_BIN)
+# containerd 2.x for the CRI end-to-end tests (1.6 comes from Debian, see
+# hack/deps.sh), built from the module proxy once (about a minute cold).
+CONTAINERD2_VERSION := v2.4.2
+CONTAINERD2_BIN     := $(CACHE)/containerd-$(CONTAINERD2_VERSION)
+export NFTCNI_CONTAINERD2_BIN := $(CONTAINERD2_BIN)
 
 all: build
 
@@ -29,8 +34,20 @@ build:
 
 # All tests, including the ones that need root and network namespaces (they
 # skip with a message when not root). Fuzz seed corpora run as plain tests.
-test: build cni-plugins k8s-bins
-	$(GO) test -count=1 ./...
+test: deps build cni-plugins k8s-bins containerd-bins
+	NFTCNI_REQUIRE_CRI=1 $(GO) test -count=1 ./...
+
+# Debian packages the tests use, installed when missing (root only).
+deps:
+	./hack/deps.sh
+
+containerd-bins: $(CONTAINERD2_BIN)/.complete
+$(CONTAINERD2_BIN)/.complete:
+	GOBIN=$(CONTAINERD2_BIN) $(GO) install -trimpath -ldflags '-s -w' -tags 'no_btrfs no_devmapper no_zfs no_aufs' \
+	  github.com/containerd/containerd/v2/cmd/containerd@$(CONTAINERD2_VERSION) \
+	  github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2@$(CONTAINERD2_VERSION) \
+	  github.com/containerd/containerd/v2/cmd/ctr@$(CONTAINERD2_VERSION)
+	touch $@
 
 k8s-bins: $(K8S_BIN)/kube-apiserver
 $(K8S_BIN)/kube-apiserver:
@@ -45,10 +62,10 @@ $(CNI_BIN)/.complete:
 	GOBIN=$(CNI_BIN) $(GO) install -trimpath -ldflags '-s -w' github.com/containernetworking/cni/cnitool@$(CNI_VERSION)
 	touch $@
 
-bench: build cni-plugins
+bench: deps build cni-plugins containerd-bins
 	./hack/bench.sh
 
-demo: build cni-plugins
+demo: deps build cni-plugins
 	./hack/demo.sh
 
 lint:

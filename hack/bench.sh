@@ -1,17 +1,9 @@
 #!/usr/bin/env bash
 # make bench: every Go benchmark, then the comparisons as ratios measured in
-# the same run. The comparison tools (nft, iptables-restore) are installed
-# here when missing; the product itself never runs them.
+# the same run. The comparison tools (nft, iptables-restore) and containerd
+# come from hack/deps.sh (make deps); the product itself never runs them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ "$(id -u)" = 0 ]; then
-	need=()
-	command -v nft >/dev/null || need+=(nftables)
-	command -v iptables-legacy-restore >/dev/null || need+=(iptables)
-	if [ "${#need[@]}" -gt 0 ]; then
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}"
-	fi
-fi
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT
 go test -run '^$' -bench . -benchmem -count=1 ./conflist ./agent/install | tee -a "$out"
@@ -20,6 +12,8 @@ go test -run '^$' -bench 'ApplyFresh' -benchtime 300x -count=1 ./nft | tee -a "$
 go test -run '^$' -bench 'Apply1000Concurrent' -benchtime 3x -count=1 ./nft | tee -a "$out"
 # CNI ADD through libcni with the reference plugins: what nftcni adds.
 go test -run '^$' -bench 'CNIAdd' -benchtime 100x -count=1 ./integration | tee -a "$out"
+# Pod sandboxes through containerd's CRI (1.6 and 2.x), with and without nftcni.
+go test -run '^$' -bench 'RunPodSandbox' -benchtime 60x -count=1 -timeout 30m ./integration | tee -a "$out"
 # The agent with 500 enrolled pods: enrolment throughput, restart, memory.
 go test -run '^$' -bench 'AgentRestart500' -benchtime 3x -count=1 -timeout 30m ./integration | tee -a "$out"
 
@@ -60,3 +54,13 @@ if [ -n "$(am s/restart-500pods)" ]; then
 	printf "    %-44s %8s\n" "agent RSS with 500 pods (MB)" "$(am MB-rss-500pods)"
 	printf "    %-44s %8s\n" "agent RSS after the restart (MB)" "$(am MB-rss-after-restart)"
 fi
+for gen in containerd-1.6 containerd-2; do
+	cm() { awk -v g="BenchmarkRunPodSandbox/$gen-" -v m="$1" 'index($1, g) == 1 {for (i=1;i<=NF;i++) if ($(i+1)==m) {print $i; exit}}' "$out"; }
+	[ -n "$(cm primary-ms-median)" ] || continue
+	echo "  CRI RunPodSandbox on $gen, bridge + host-local (ms, median / p90):"
+	printf "    %-34s %6.2f / %6.2f\n" "bridge alone" "$(cm primary-ms-median)" "$(cm primary-ms-p90)"
+	printf "    %-34s %6.2f / %6.2f\n" "+ tuning (a no-op chained plugin)" "$(cm tuning-ms-median)" "$(cm tuning-ms-p90)"
+	printf "    %-34s %6.2f / %6.2f\n" "+ nftcni, pod outside the mesh" "$(cm plain-ms-median)" "$(cm plain-ms-p90)"
+	printf "    %-34s %6.2f / %6.2f\n" "+ nftcni, enrolled (ambient)" "$(cm enrolled-ms-median)" "$(cm enrolled-ms-p90)"
+	printf "    %-34s %6.2f (no-op plugin: %.2f)\n" "added by nftcni, enrolled" "$(cm added-enrolled-ms-median)" "$(cm added-tuning-ms-median)"
+done

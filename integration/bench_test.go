@@ -14,6 +14,7 @@ import (
 	"github.com/containernetworking/cni/pkg/invoke"
 
 	"github.com/nftcni/nftcni/conflist"
+	"github.com/nftcni/nftcni/integration/containerdtest"
 	"github.com/nftcni/nftcni/integration/testnet"
 )
 
@@ -115,4 +116,63 @@ func withTuning(b *testing.B, l *libcni.NetworkConfigList) *libcni.NetworkConfig
 		b.Fatal(err)
 	}
 	return out
+}
+
+// BenchmarkRunPodSandbox measures what nftcni adds to a pod's start through
+// a real runtime: CRI RunPodSandbox on containerd (1.6 and 2.x), the call
+// kubelet makes, which creates the netns, runs the CNI chain and starts
+// the pause container. Three nodes run side by side, each with its own
+// containerd: bridge alone, bridge + reference tuning with nothing to do
+// (any chained plugin's cost), and bridge + nftcni with the agent, where
+// pods outside the mesh and enrolled pods alternate. Rounds interleave
+// the variants; stop and remove happen outside the timed call. Reported:
+// median and p90 in ms, and what nftcni adds over bridge alone.
+func BenchmarkRunPodSandbox(b *testing.B) {
+	for i, gen := range containerdtest.Generations(b) {
+		b.Run(gen.Name, func(b *testing.B) {
+			nodes := map[string]*criNode{
+				"primary": newCRINode(b, gen, 30+3*i, "1.0.0", ""),
+				"tuning":  newCRINode(b, gen, 31+3*i, "1.0.0", "tuning"),
+				"nftcni":  newCRINode(b, gen, 32+3*i, "1.0.0", "nftcni"),
+			}
+			order := []string{"primary", "tuning", "plain", "enrolled"}
+			samples := map[string][]time.Duration{}
+			b.StopTimer()
+			for r := 0; r < b.N; r++ {
+				for j := range order {
+					v := order[(r+j)%len(order)]
+					node, ns := nodes[v], "plain"
+					switch v {
+					case "plain":
+						node = nodes["nftcni"]
+					case "enrolled":
+						node, ns = nodes["nftcni"], "mesh"
+					}
+					name := fmt.Sprintf("bench-%d", r%benchPods)
+					cfg := node.ctrd.Pod(ns, name, fmt.Sprintf("uid-%s-%s", ns, name), nil)
+					start := time.Now()
+					id, err := node.ctrd.Run(cfg)
+					took := time.Since(start)
+					if err != nil {
+						b.Fatalf("%s RunPodSandbox: %v\n%s", v, err, tail(node.ctrd.Log(), 20))
+					}
+					samples[v] = append(samples[v], took)
+					node.remove(containerdtest.Sandbox{ID: id})
+				}
+			}
+			q := func(v string, p float64) float64 {
+				s := slices.Clone(samples[v])
+				slices.Sort(s)
+				return float64(s[int(p*float64(len(s)-1))]) / 1e6
+			}
+			for _, v := range order {
+				b.ReportMetric(q(v, 0.5), v+"-ms-median")
+				b.ReportMetric(q(v, 0.9), v+"-ms-p90")
+			}
+			b.ReportMetric(q("enrolled", 0.5)-q("primary", 0.5), "added-enrolled-ms-median")
+			b.ReportMetric(q("plain", 0.5)-q("primary", 0.5), "added-plain-ms-median")
+			b.ReportMetric(q("tuning", 0.5)-q("primary", 0.5), "added-tuning-ms-median")
+			b.ReportMetric(q("enrolled", 0.5)*1e6, "ns/op")
+		})
+	}
 }
