@@ -329,3 +329,38 @@ func TestLateEnrolmentFindsThePodThroughProc(t *testing.T) {
 		t.Errorf("probe set lacks the pod:\n%s", set)
 	}
 }
+
+// ztunnel refusing a pod fails its ADD: the plugin had programmed the rules
+// (the agent hands the netns to ztunnel meanwhile) and removes them again,
+// the agent keeps nothing for the pod, and the runtime's DEL succeeds.
+func TestCNIZtunnelRefusalFailsTheAdd(t *testing.T) {
+	n := newCNINode(t, 76)
+	n.startAgent()
+	full := n.list("bridge", "1.0.0", true, false)
+	n.ztunnel.Refuse("uid-refused", "cannot enter netns")
+	pod := testnet.NewNS(t, "nftpod")
+	n.pod(meshNS, "refused", nil)
+	rt := runtimeConf(pod, meshNS, "refused", nil)
+	_, err := n.add(full, rt)
+	if err == nil || !strings.Contains(err.Error(), "cannot enter netns") {
+		t.Fatalf("ADD: %v, want ztunnel's refusal", err)
+	}
+	if hasTable(t, pod) {
+		t.Error("rules left in the pod of a failed enrolment")
+	}
+	if m := n.mesh.Members(); len(m) != 0 {
+		t.Errorf("agent holds %d pods after the failed ADD", len(m))
+	}
+	if err := n.del(full, rt); err != nil {
+		t.Errorf("DEL after the failed ADD: %v", err)
+	}
+	// The next pod is enrolled as usual.
+	ok := testnet.NewNS(t, "nftpod")
+	n.pod(meshNS, "ok", nil)
+	if _, err := n.add(full, runtimeConf(ok, meshNS, "ok", nil)); err != nil {
+		t.Fatalf("ADD after a refusal: %v", err)
+	}
+	if !hasTable(t, ok) {
+		t.Error("no rules for the next pod")
+	}
+}

@@ -57,14 +57,18 @@ type call struct {
 	recs  records
 	log   *slog.Logger
 	agent *wire.Conn
+	began time.Time
 }
+
+// since is the time from the call's start, in ms, for log records.
+func (c *call) since() float64 { return float64(time.Since(c.began).Microseconds()) / 1000 }
 
 func (p *Plugin) start(args *skel.CmdArgs) (*call, error) {
 	conf, err := ParseConfig(args.StdinData)
 	if err != nil {
 		return nil, types.NewError(types.ErrInvalidNetworkConfig, "nftcni: "+err.Error(), "")
 	}
-	c := &call{p: p, conf: conf, args: args}
+	c := &call{p: p, conf: conf, args: args, began: time.Now()}
 	c.log = newLogger(conf.level, &c.recs).With("containerID", args.ContainerID)
 	if c.k8s, err = parseArgs(args.Args); err != nil {
 		c.finish()
@@ -238,21 +242,29 @@ func (p *Plugin) Add(args *skel.CmdArgs) (err error) {
 	}
 	d := r.Decision
 	if d.Mode == wire.ModeNone {
-		c.log.Debug("not enrolled", "reason", d.Reason)
+		c.log.Debug("not enrolled", "reason", d.Reason, "ms", c.since())
 		return c.result(prev)
 	}
+	decided := c.since()
 	perr := program(netns, d)
+	programmed := c.since()
 	out := &wire.Message{Kind: wire.KindOutcome}
 	if perr != nil {
 		out.Error = perr.Error()
 	}
 	if _, err := c.ask(out, nil, wire.KindDone); err != nil && perr == nil {
-		return fmt.Errorf("nftcni: pod %s: rules programmed but the agent could not complete enrolment: %w", pod.Key(), err)
+		// Not enrolled after all (ztunnel refused it, say): leave no rules
+		// that send the pod's traffic where nothing takes it.
+		if derr := nft.Delete(int(netns.Fd()), nft.PodCleanup()); derr != nil {
+			c.log.Warn("removing the rules of a failed enrolment", "err", derr)
+		}
+		return fmt.Errorf("nftcni: pod %s: enrolment failed after the rules were programmed (removed again): %w", pod.Key(), err)
 	}
 	if perr != nil {
 		return fmt.Errorf("nftcni: pod %s: programming the %s ruleset: %w", pod.Key(), d.Mode, perr)
 	}
-	c.log.Info("pod enrolled", "mode", d.Mode, "reason", d.Reason)
+	c.log.Info("pod enrolled", "mode", d.Mode, "reason", d.Reason,
+		"ms", c.since(), "decided_ms", decided, "programmed_ms", programmed)
 	return c.result(prev)
 }
 

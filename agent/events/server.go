@@ -34,14 +34,14 @@ import (
 type Handler interface {
 	// Decide says what a pod gets (ADD and CHECK). It has no side effects.
 	Decide(ctx context.Context, pod *wire.Pod) (*wire.Decision, error)
-	// Prepare runs for an ADD the agent enrols, before the plugin programs
-	// rules (ambient: hand netns to ztunnel and wait for its ack). An
-	// error fails the ADD.
+	// Prepare runs for an ADD the agent enrols, while the plugin programs
+	// the rules (ambient: hand netns to ztunnel and wait for its ack). An
+	// error fails the ADD, after Added has been told.
 	Prepare(ctx context.Context, pod *wire.Pod, d *wire.Decision, netns *os.File) error
 	// Added completes an ADD. For an enrolled pod it reports the plugin's
-	// outcome: programErr nil means the rules are in place and the pod may
-	// be marked enrolled; it is also called, with an error, when the plugin
-	// went away after Prepare. For ModeNone it is called once the decision
+	// outcome: programErr nil means the rules are in place, Prepare
+	// succeeded and the pod may be marked enrolled; it is called with an
+	// error when either failed or the plugin went away. For ModeNone it is called once the decision
 	// is sent: the pod is known (its netns with it), not enrolled. An error
 	// return fails the ADD.
 	Added(ctx context.Context, pod *wire.Pod, d *wire.Decision, netns *os.File, programErr error) error
@@ -211,8 +211,8 @@ func podKey(p *wire.Pod) string {
 	return p.Key()
 }
 
-// add runs the ADD conversation: decision (with Prepare for enrolled
-// pods), then the plugin's outcome, then Added and the final answer.
+// add runs the ADD conversation: decision (Prepare starting beside it for
+// enrolled pods), then the plugin's outcome, then Added and the answer.
 func (s *Server) add(ctx context.Context, c *wire.Conn, pod *wire.Pod, netns *os.File) {
 	fail := func(err error) {
 		s.count(wire.KindAdd, "failure")
@@ -228,14 +228,17 @@ func (s *Server) add(ctx context.Context, c *wire.Conn, pod *wire.Pod, netns *os
 		fail(err)
 		return
 	}
+	// Prepare (ztunnel taking the netns) runs while the plugin programs
+	// the rules: neither needs the other, and the pod's containers start
+	// only after both, when the ADD returns.
+	var prepared chan error
 	if d.Mode != wire.ModeNone {
-		if err := s.h.Prepare(ctx, pod, d, netns); err != nil {
-			fail(err)
-			return
-		}
+		prepared = make(chan error, 1)
+		go func() { prepared <- s.h.Prepare(ctx, pod, d, netns) }()
 	}
 	if err := c.Send(&wire.Message{Kind: wire.KindDecision, Decision: d}, nil); err != nil {
 		if d.Mode != wire.ModeNone {
+			<-prepared
 			_ = s.h.Added(ctx, pod, d, netns, fmt.Errorf("plugin went away before the decision: %w", err))
 		}
 		s.count(wire.KindAdd, "failure")
@@ -259,14 +262,17 @@ func (s *Server) add(ctx context.Context, c *wire.Conn, pod *wire.Pod, netns *os
 	case m.Kind != wire.KindOutcome:
 		programErr = fmt.Errorf("plugin sent %s, want outcome", m.Kind)
 	case m.Error != "":
-		programErr = errors.New(m.Error)
+		programErr = fmt.Errorf("plugin could not program the %s ruleset: %w", d.Mode, errors.New(m.Error))
+	}
+	if err := <-prepared; err != nil && programErr == nil {
+		programErr = err
 	}
 	if err := s.h.Added(ctx, pod, d, netns, programErr); err != nil {
 		fail(err)
 		return
 	}
 	if programErr != nil {
-		fail(fmt.Errorf("plugin could not program the %s ruleset: %w", d.Mode, programErr))
+		fail(programErr)
 		return
 	}
 	s.count(wire.KindAdd, "success")

@@ -162,9 +162,9 @@ func (m *Mesh) workload(p *wire.Pod) zds.WorkloadInfo {
 }
 
 // Prepare hands an ambient pod's netns to ztunnel and waits for its ack,
-// before any rule exists: a pod whose traffic ztunnel cannot take never
-// gets rules that would send it there. No ztunnel: the ADD fails and the
-// runtime retries.
+// while the plugin programs the rules. No ztunnel, or a refusal: the ADD
+// fails, the plugin removes the rules it made, and no container of the pod
+// ever runs with traffic sent where nothing listens; the runtime retries.
 func (m *Mesh) Prepare(ctx context.Context, p *wire.Pod, d *wire.Decision, netns *os.File) error {
 	if d.Mode != wire.ModeAmbient || m.opts.Ztunnel == nil {
 		return nil
