@@ -234,3 +234,59 @@ func TestAgentRestartKeepsCapture(t *testing.T) {
 	}
 	z2.Wait(zds.KindDel, "uid-app", 5*time.Second)
 }
+
+// inspect, run as an operator would beside a running agent: a pod's live
+// ruleset with its verdict, enrolment and ztunnel state; the host's probe
+// table; exit 1 once someone flushes a pod's chain, 2 for an unknown pod.
+func TestInspect(t *testing.T) {
+	n := newAgentNode(t, 68, nil)
+	src := podSourceDir(t, podSource)
+	_, z := n.start(t, "--pod-source", src)
+	list := n.installed(t)
+	app, web := testnet.NewNS(t, "nftpod"), testnet.NewNS(t, "nftpod")
+	r, err := n.add(list, runtimeConf(app, "mesh", "app", nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n.add(list, runtimeConf(web, "plain", "web", nil)); err != nil {
+		t.Fatal(err)
+	}
+	z.Wait(zds.KindAdd, "uid-app", 5*time.Second)
+	inspect := func(target string) (string, int) {
+		cmd := n.h.agent("inspect", target)
+		out, err := cmd.CombinedOutput()
+		code := 0
+		if ee, ok := err.(*exec.ExitError); ok {
+			code = ee.ExitCode()
+		} else if err != nil {
+			t.Fatal(err)
+		}
+		return string(out), code
+	}
+	out, code := inspect("mesh/app")
+	for _, want := range []string{"enrolment: ambient", "handed to ztunnel with its netns", "ruleset:   matches", "table inet " + nft.PodTable, "redirect to :15001"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("inspect mesh/app lacks %q:\n%s", want, out)
+		}
+	}
+	if code != 0 {
+		t.Errorf("inspect mesh/app exit %d:\n%s", code, out)
+	}
+	if out, code := inspect("plain/web"); code != 0 || !strings.Contains(out, "none, as expected") {
+		t.Errorf("inspect plain/web exit %d:\n%s", code, out)
+	}
+	appIP := podIPs(t, r)[0].String()
+	if out, code := inspect("host"); code != 0 || !strings.Contains(out, appIP) || !strings.Contains(out, "uid-app") {
+		t.Errorf("inspect host exit %d, want the probe set holding %s:\n%s", code, appIP, out)
+	}
+	if out, code := inspect("mesh/nobody"); code != 2 || !strings.Contains(out, "no record of pod mesh/nobody") {
+		t.Errorf("inspect of an unknown pod: exit %d\n%s", code, out)
+	}
+	// Someone flushes the pod's chains: inspect says so, and exits 1.
+	if out, err := exec.Command("ip", "netns", "exec", app.Name, "nft", "flush", "table", "inet", nft.PodTable).CombinedOutput(); err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+	if out, code := inspect("mesh/app"); code != 1 || !strings.Contains(out, "DRIFT") {
+		t.Errorf("inspect after a flush: exit %d\n%s", code, out)
+	}
+}

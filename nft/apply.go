@@ -6,7 +6,6 @@ import (
 	"slices"
 
 	"github.com/google/nftables"
-	"github.com/google/nftables/expr"
 	"github.com/google/nftables/userdata"
 	"golang.org/x/sys/unix"
 )
@@ -154,11 +153,7 @@ func nftChain(t *nftables.Table, ch *Chain) *nftables.Chain {
 }
 
 func nftRule(t *nftables.Table, c *nftables.Chain, r Rule) *nftables.Rule {
-	var ex []expr.Any
-	for _, term := range r {
-		ex = append(ex, term.Exprs()...)
-	}
-	return &nftables.Rule{Table: t, Chain: c, Exprs: ex, UserData: userdata.AppendString(nil, ruleCommentType, r.Tag())}
+	return &nftables.Rule{Table: t, Chain: c, Exprs: ruleExprs(r), UserData: userdata.AppendString(nil, ruleCommentType, r.Tag())}
 }
 
 // PodCleanup names everything a pod ruleset of any kind can leave in a pod

@@ -90,11 +90,7 @@ func verifyTable(c *nftables.Conn, t *Table, all []*nftables.Chain) ([]string, e
 			got = append(got, tag+" "+shape(r.Exprs))
 		}
 		for _, r := range ch.Rules {
-			var ex []expr.Any
-			for _, term := range r {
-				ex = append(ex, term.Exprs()...)
-			}
-			want = append(want, r.Tag()+" "+shape(ex))
+			want = append(want, r.Tag()+" "+shape(ruleExprs(r)))
 		}
 		if !slices.Equal(got, want) {
 			drift = append(drift, fmt.Sprintf("chain %s %s: rules differ (have %d, want %d)", t.Name, ch.Name, len(got), len(want)))

@@ -47,6 +47,8 @@ type Handler interface {
 	Added(ctx context.Context, pod *wire.Pod, d *wire.Decision, netns *os.File, programErr error) error
 	// Deleted is the pod's DEL: release whatever is held for it.
 	Deleted(ctx context.Context, pod *wire.Pod) error
+	// ZDSState says what ztunnel has of the pod with uid (inspect).
+	ZDSState(uid string) string
 	// GC releases what is held for attachments not in valid.
 	GC(ctx context.Context, valid []wire.Attachment) error
 	// Ready is nil when ADDs can be served (STATUS).
@@ -177,6 +179,8 @@ func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 		err = s.h.Ready()
 	case wire.KindGC:
 		err = s.h.GC(ctx, m.Valid)
+	case wire.KindInspect: // Decode made sure it names a pod UID
+		reply = &wire.Message{Kind: wire.KindDone, ZDS: s.h.ZDSState(m.Pod.UID)}
 	default:
 		err = fmt.Errorf("a conversation cannot start with %s", m.Kind)
 	}

@@ -82,6 +82,8 @@ func (f *fake) GC(_ context.Context, v []wire.Attachment) error {
 }
 func (f *fake) Ready() error { return nil }
 
+func (f *fake) ZDSState(uid string) string { return "zds state of " + uid }
+
 type harness struct {
 	path    string
 	srv     *Server

@@ -300,6 +300,14 @@ func (m *Mesh) GC(ctx context.Context, valid []wire.Attachment) error {
 // Ready is nil: the plugin can be served as soon as the server runs.
 func (m *Mesh) Ready() error { return nil }
 
+// ZDSState says what ztunnel has of a pod, when the ZDS side can tell.
+func (m *Mesh) ZDSState(uid string) string {
+	if z, ok := m.opts.Ztunnel.(interface{ State(string) string }); ok {
+		return z.State(uid)
+	}
+	return "no ztunnel configured (--ztunnel-socket none)"
+}
+
 func (m *Mesh) forget(a wire.Attachment) bool {
 	m.mu.Lock()
 	old := m.members[a]

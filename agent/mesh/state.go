@@ -28,7 +28,8 @@ import (
 // whatever the number of pods.
 const StateDir = "pods"
 
-type savedPod struct {
+// Record is what the agent keeps on disk about one pod it knows.
+type Record struct {
 	Pod      wire.Pod       `json:"pod"`
 	UID      string         `json:"uid"`
 	Decision *wire.Decision `json:"decision"`
@@ -46,7 +47,7 @@ func (m *Mesh) saveMember(mb *Member) {
 	if m.opts.RunDir == "" {
 		return
 	}
-	b, err := json.Marshal(savedPod{Pod: mb.Pod, UID: mb.UID, Decision: mb.decision})
+	b, err := json.Marshal(Record{Pod: mb.Pod, UID: mb.UID, Decision: mb.decision})
 	path := m.statePath(mb.Pod.Attachment)
 	if err == nil {
 		err = os.MkdirAll(filepath.Dir(path), 0o700)
@@ -72,33 +73,47 @@ func (m *Mesh) dropMember(a wire.Attachment) {
 	}
 }
 
-func (m *Mesh) readState() ([]savedPod, error) {
-	dir := filepath.Join(m.opts.RunDir, StateDir)
+func (m *Mesh) readState() ([]Record, error) {
+	recs, bad, err := ReadRecords(m.opts.RunDir)
+	for _, b := range bad {
+		m.log.Warn("skipping an unreadable pod record", "err", b)
+	}
+	// Temp files a crash left behind.
+	tmps, _ := filepath.Glob(filepath.Join(m.opts.RunDir, StateDir, "*.tmp"))
+	for _, t := range tmps {
+		_ = os.Remove(t)
+	}
+	return recs, err
+}
+
+// ReadRecords reads the pod records under runDir without changing
+// anything; bad lists the files it could not read.
+func ReadRecords(runDir string) (recs []Record, bad []error, err error) {
+	dir := filepath.Join(runDir, StateDir)
 	ents, err := os.ReadDir(dir)
 	if errors.Is(err, os.ErrNotExist) {
-		return nil, nil
+		return nil, nil, nil
 	}
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	var out []savedPod
 	for _, e := range ents {
 		if filepath.Ext(e.Name()) != ".json" {
-			_ = os.Remove(filepath.Join(dir, e.Name())) // a temp file a crash left
 			continue
 		}
-		b, err := os.ReadFile(filepath.Join(dir, e.Name()))
-		var sp savedPod
+		p := filepath.Join(dir, e.Name())
+		b, err := os.ReadFile(p)
+		var r Record
 		if err == nil {
-			err = json.Unmarshal(b, &sp)
+			err = json.Unmarshal(b, &r)
 		}
 		if err != nil {
-			m.log.Warn("skipping an unreadable pod record", "file", e.Name(), "err", err)
+			bad = append(bad, fmt.Errorf("%s: %w", p, err))
 			continue
 		}
-		out = append(out, sp)
+		recs = append(recs, r)
 	}
-	return out, nil
+	return recs, bad, nil
 }
 
 // Restore reloads the pods a previous agent knew: each netns is reopened

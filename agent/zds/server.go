@@ -293,6 +293,22 @@ func (s *Server) Known() []string {
 	return out
 }
 
+// State describes what ztunnel has of a pod, for operators (inspect).
+func (s *Server) State(uid string) string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	p, conns := s.pods[uid], len(s.conns)
+	switch {
+	case p == nil:
+		return "not held for ztunnel (not enrolled in ambient, or removed)"
+	case p.netns == nil:
+		return fmt.Sprintf("held without its netns: sent as KeepWorkload in snapshots (%d ztunnel connected)", conns)
+	case conns == 0:
+		return "held with its netns; no ztunnel connected: it gets the pod in its snapshot when it connects"
+	}
+	return fmt.Sprintf("handed to ztunnel with its netns (acked; %d ztunnel connected)", conns)
+}
+
 // AckError is ztunnel refusing a request.
 type AckError struct{ Msg string }
 

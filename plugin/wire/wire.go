@@ -14,7 +14,7 @@
 //	agent  -> plugin  done     (pod marked enrolled) or error
 //	plugin -> agent   log      (the invocation's log records)    [optional]
 //
-// DEL, CHECK, STATUS and GC are one request and one reply each.
+// DEL, CHECK, STATUS, GC and INSPECT are one request and one reply each.
 package wire
 
 import (
@@ -51,6 +51,9 @@ const (
 	KindGC       Kind = "gc"
 	KindLog      Kind = "log"
 	KindError    Kind = "error"
+	// KindInspect asks the agent about a pod (Pod.UID) for an operator's
+	// inspect command; the answer is done with ZDS set.
+	KindInspect Kind = "inspect"
 )
 
 // Mode is the agent's decision for a pod.
@@ -76,6 +79,8 @@ type Message struct {
 	Valid []Attachment `json:"valid,omitempty"`
 	// Logs: log, one JSON object per record.
 	Logs []json.RawMessage `json:"logs,omitempty"`
+	// ZDS: the answer to inspect, what ztunnel has of the pod.
+	ZDS string `json:"zds,omitempty"`
 }
 
 // Attachment is what CNI identifies a pod's network attachment by.
@@ -193,6 +198,10 @@ func Decode(b []byte) (*Message, error) {
 		case ModeNone, ModeAmbient, ModeSidecar:
 		default:
 			return nil, fmt.Errorf("decision message: unknown mode %q", m.Decision.Mode)
+		}
+	case KindInspect:
+		if m.Pod == nil || m.Pod.UID == "" {
+			return nil, errors.New("inspect message: needs a pod UID")
 		}
 	case KindOutcome, KindDone, KindStatus, KindGC, KindLog, KindError:
 	default:

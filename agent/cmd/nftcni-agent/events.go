@@ -40,9 +40,9 @@ func (a *ambientFlags) register(f *flagSet) {
 	f.str(&a.systemNamespace, "system-namespace", "SYSTEM_NAMESPACE", "istio-system", "ztunnel's namespace; its pods are never enrolled")
 	f.str(&a.selectors, "ambient-enablement-selector", "AMBIENT_ENABLEMENT_SELECTOR", "", "JSON list of {podSelector, namespaceSelector}; empty: Istio's defaults on istio.io/dataplane-mode")
 	f.boolean(&a.dnsCapture, "ambient-dns-capture", "AMBIENT_DNS_CAPTURE", true, "capture DNS to ztunnel's 15053 unless a pod says otherwise")
-	f.boolean(&a.ipv6, "ambient-ipv6", "AMBIENT_IPV6", true, "add IPv6 rules for pods that have an IPv6 address")
+	ipv6Flag(f, &a.ipv6)
 	f.str(&a.ztunnelSocket, "ztunnel-socket", "ZTUNNEL_UDS_ADDRESS", zds.DefaultSocket, "ZDS socket ztunnel connects to; \"none\": no ztunnel (rules only, for tests and demos)")
-	f.str(&a.hostNetns, "host-netns", "HOST_NETNS", "/proc/self/ns/net", "the host's network namespace, where the probe SNAT table lives")
+	hostNetnsFlag(f, &a.hostNetns)
 	f.str(&a.procDir, "proc-dir", "PROC_DIR", "/proc", "the host's /proc (the agent's pod mounts it at /host/proc): where the netns of pods that predate the agent is found")
 }
 

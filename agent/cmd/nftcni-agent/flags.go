@@ -59,7 +59,7 @@ func (c *common) register(f *flagSet) {
 	f.str(&c.pluginBinary, "plugin-binary", "PLUGIN_BINARY", "", "nftcni plugin binary to install (default: nftcni beside this executable)")
 	f.str(&c.confName, "cni-conf-name", "CNI_CONF_NAME", "", "chained/owned/dropin: primary config file to use (default: the first valid one, as runtimes pick it); standalone/owned: our file's name when it ends in .conflist and the mode writes one")
 	f.str(&c.mode, "mode", "INSTALL_MODE", "chained", "chained | standalone | owned | dropin")
-	f.str(&c.runDir, "run-dir", "CNI_AGENT_RUN_DIR", "/var/run/nftcni", "agent run dir: sockets and state the plugin finds through its conflist entry")
+	runDirFlag(f, &c.runDir)
 	f.str(&c.logLevel, "log-level", "LOG_LEVEL", "info", "agent log level: debug | info | warn | error")
 	f.str(&c.logFormat, "log-format", "LOG_FORMAT", "text", "agent log format: text | json")
 	f.str(&c.pluginLogLevel, "plugin-log-level", "PLUGIN_LOG_LEVEL", "info", "plugin log level written into its conflist entry")
@@ -67,6 +67,20 @@ func (c *common) register(f *flagSet) {
 	f.str(&c.podNamespace, "pod-namespace", "POD_NAMESPACE", "", "the agent's own namespace, so the plugin never blocks the agent's pod")
 	f.str(&c.standaloneCNIVersion, "standalone-cni-version", "STANDALONE_CNI_VERSION", "1.0.0", "cniVersion of the list written in standalone mode")
 	f.boolean(&c.statusRequiresAgent, "status-requires-agent", "STATUS_REQUIRES_AGENT", false, "make CNI STATUS fail while the agent is down (marks the node NetworkReady=false on containerd)")
+}
+
+// Flags shared by commands that do not share the rest.
+
+func runDirFlag(f *flagSet, p *string) {
+	f.str(p, "run-dir", "CNI_AGENT_RUN_DIR", "/var/run/nftcni", "agent run dir: sockets and state the plugin finds through its conflist entry")
+}
+
+func hostNetnsFlag(f *flagSet, p *string) {
+	f.str(p, "host-netns", "HOST_NETNS", "/proc/self/ns/net", "the host's network namespace, where the probe SNAT table lives")
+}
+
+func ipv6Flag(f *flagSet, p *bool) {
+	f.boolean(p, "ambient-ipv6", "AMBIENT_IPV6", true, "add IPv6 rules for pods that have an IPv6 address")
 }
 
 func (c *common) bins() []string {

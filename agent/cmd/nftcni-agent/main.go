@@ -1,10 +1,11 @@
 // Command nftcni-agent is the node agent: it installs the nftcni plugin and
-// its CNI config, keeps them repaired, and (in later stages) serves
-// enrolment decisions and talks to ztunnel.
+// its CNI config and keeps them repaired, serves enrolment decisions to the
+// plugin, watches pods, and hands enrolled pods' netns to ztunnel.
 //
 //	nftcni-agent install --once   install and exit
 //	nftcni-agent uninstall        remove everything nftcni added
 //	nftcni-agent run              install, then watch and repair until stopped
+//	nftcni-agent inspect POD      live ruleset, drift, enrolment and ztunnel state of a pod
 package main
 
 import (
@@ -37,6 +38,7 @@ commands:
   run        install the plugin and its CNI config, then watch and repair them
   install    install once (with --once) and exit
   uninstall  remove the plugin entry, our files and the plugin binary
+  inspect    show a pod's (or the host's) live ruleset, whether it drifted, its enrolment and ztunnel state
   version    print the version
 
 Run "nftcni-agent <command> -h" for the flags; each has an env var twin.
@@ -64,6 +66,15 @@ func main() {
 		err = installCmd(ctx, args)
 	case "uninstall":
 		err = uninstallCmd(args)
+	case "inspect":
+		err = inspectCmd(args, os.Stdout)
+		if errors.Is(err, errDrift) {
+			os.Exit(1)
+		}
+		if err != nil && !errors.Is(err, flag.ErrHelp) {
+			fmt.Fprintln(os.Stderr, "nftcni-agent inspect:", err)
+			os.Exit(2)
+		}
 	case "version", "--version":
 		fmt.Println("nftcni-agent", version)
 	case "-h", "--help", "help":

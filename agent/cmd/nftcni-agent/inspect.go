@@ -1,0 +1,231 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"net/netip"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/nftcni/nftcni/agent/mesh"
+	"github.com/nftcni/nftcni/nft"
+	"github.com/nftcni/nftcni/plugin/wire"
+)
+
+const inspectUsage = `usage: nftcni-agent inspect [flags] <namespace/name | /path/to/netns | host>
+
+Prints, for a pod (by name or by its netns file) or for the host's probe
+table: the live ruleset read through netlink in nft syntax, whether it is
+exactly what the pod's decision asks for, the pod's enrolment as the agent
+recorded it, and what ztunnel has of it (asked from the running agent).
+Exit status: 0 all as expected, 1 drift, 2 usage or lookup error.
+`
+
+// errDrift makes inspect exit 1.
+var errDrift = errors.New("drift found")
+
+type inspectFlags struct {
+	runDir, hostNetns string
+	ipv6              bool
+}
+
+func (i *inspectFlags) register(f *flagSet) {
+	runDirFlag(f, &i.runDir)
+	hostNetnsFlag(f, &i.hostNetns)
+	ipv6Flag(f, &i.ipv6)
+}
+
+func inspectCmd(args []string, out io.Writer) error {
+	var i inspectFlags
+	f := newFlagSet("inspect")
+	i.register(f)
+	f.Usage = func() { fmt.Fprint(f.Output(), inspectUsage, "\nflags:\n"); f.PrintDefaults() }
+	if err := f.parse(args); err != nil {
+		return err
+	}
+	if f.NArg() != 1 {
+		f.Usage()
+		return errors.New("inspect takes one pod (namespace/name or a netns path) or \"host\"")
+	}
+	recs, bad, err := mesh.ReadRecords(i.runDir)
+	if err != nil {
+		return fmt.Errorf("reading the agent's pod records in %s: %w", filepath.Join(i.runDir, mesh.StateDir), err)
+	}
+	for _, b := range bad {
+		fmt.Fprintf(out, "warning: unreadable pod record %v\n", b)
+	}
+	target := f.Arg(0)
+	if target == "host" {
+		return i.host(out, recs)
+	}
+	var match []mesh.Record
+	for _, r := range recs {
+		if r.Pod.Key() == target || (r.Pod.Netns != "" && r.Pod.Netns == target) {
+			match = append(match, r)
+		}
+	}
+	if len(match) == 0 {
+		if strings.HasPrefix(target, "/") {
+			return i.unknownNetns(out, target)
+		}
+		return fmt.Errorf("the agent has no record of pod %s in %s: it was not started through nftcni on this node, or it is gone (a sidecar pod programmed from runtime annotations is never recorded: inspect it by its netns path)",
+			target, filepath.Join(i.runDir, mesh.StateDir))
+	}
+	var errs error
+	for _, r := range match {
+		errs = errors.Join(errs, i.pod(out, r))
+	}
+	return errs
+}
+
+// pod prints one recorded pod and checks its netns against its decision.
+func (i *inspectFlags) pod(out io.Writer, r mesh.Record) error {
+	d := r.Decision
+	if d == nil {
+		d = &wire.Decision{Mode: wire.ModeNone}
+	}
+	fmt.Fprintf(out, "pod %s (uid %s, sandbox %s, %s)\n", r.Pod.Key(), r.UID, short(r.Pod.ContainerID), r.Pod.IfName)
+	fmt.Fprintf(out, "  netns:     %s\n", r.Pod.Netns)
+	fmt.Fprintf(out, "  IPs:       %s\n", prefixes(r.Pod.IPs))
+	fmt.Fprintf(out, "  enrolment: %s (%s)\n", d.Mode, d.Reason)
+	fmt.Fprintf(out, "  ztunnel:   %s\n", i.zdsState(r.UID))
+	want, err := d.Ruleset()
+	if err != nil {
+		return fmt.Errorf("pod %s: its recorded decision gives no ruleset: %w", r.Pod.Key(), err)
+	}
+	fd, err := unix.Open(r.Pod.Netns, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		fmt.Fprintf(out, "  ruleset:   cannot look: %v (the pod is gone, or its netns is not visible from here: run inspect where /var/run/netns is the host's)\n", err)
+		return fmt.Errorf("pod %s: %w", r.Pod.Key(), err)
+	}
+	defer unix.Close(fd)
+	return check(out, fd, nft.PodTable, want)
+}
+
+// unknownNetns prints the ruleset of a netns the agent has no record of.
+func (i *inspectFlags) unknownNetns(out io.Writer, path string) error {
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("opening netns %s: %w", path, err)
+	}
+	defer unix.Close(fd)
+	fmt.Fprintf(out, "netns %s\n  enrolment: no record in %s (not seen by the agent; sidecar pods programmed from runtime annotations are not recorded)\n",
+		path, filepath.Join(i.runDir, mesh.StateDir))
+	live, err := nft.Live(fd, nft.PodTable, nil)
+	if err != nil {
+		return err
+	}
+	if live == "" {
+		fmt.Fprintf(out, "  ruleset:   none (no table inet %s)\n", nft.PodTable)
+		return nil
+	}
+	fmt.Fprintf(out, "  ruleset:   present, not compared (no recorded decision); rule texts need a decision to be named\n%s", live)
+	return nil
+}
+
+// host checks the probe table against the pods recorded as ambient.
+func (i *inspectFlags) host(out io.Writer, recs []mesh.Record) error {
+	var members []nft.Member
+	for _, r := range recs {
+		if r.Decision == nil || r.Decision.Mode != wire.ModeAmbient {
+			continue
+		}
+		m := nft.Member{UID: r.UID}
+		for _, p := range r.Pod.IPs {
+			m.IPs = append(m.IPs, p.Addr())
+		}
+		members = append(members, m)
+	}
+	fd, err := unix.Open(i.hostNetns, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("opening the host netns %s (--host-netns): %w", i.hostNetns, err)
+	}
+	defer unix.Close(fd)
+	fmt.Fprintf(out, "host (netns %s)\n  enrolled ambient pods recorded: %d\n", i.hostNetns, len(members))
+	return check(out, fd, nft.HostTable, nft.HostProbe(i.ipv6, members))
+}
+
+// check prints the verdict and the live table; drift is errDrift.
+func check(out io.Writer, fd int, table string, want *nft.Ruleset) error {
+	live, err := nft.Live(fd, table, want)
+	if err != nil {
+		return err
+	}
+	var verr error
+	if want == nil {
+		if live != "" {
+			verr = &nft.DriftError{Problems: []string{"table inet " + table + " exists but the pod is not enrolled"}}
+		}
+	} else {
+		verr = nft.Verify(fd, want)
+	}
+	var drift *nft.DriftError
+	switch {
+	case errors.As(verr, &drift):
+		fmt.Fprintf(out, "  ruleset:   DRIFT\n")
+		for _, p := range drift.Problems {
+			fmt.Fprintf(out, "             - %s\n", p)
+		}
+	case verr != nil:
+		return verr
+	case want == nil:
+		fmt.Fprintf(out, "  ruleset:   none, as expected for a pod outside the mesh\n")
+	default:
+		fmt.Fprintf(out, "  ruleset:   matches the decision (tables, hooks, sets, every rule, policy routes)\n")
+	}
+	if live != "" {
+		fmt.Fprintf(out, "  live (read through netlink):\n%s", indent(live))
+	}
+	if drift != nil {
+		return errDrift
+	}
+	return nil
+}
+
+// zdsState asks the running agent what ztunnel has of the pod.
+func (i *inspectFlags) zdsState(uid string) string {
+	sock := filepath.Join(i.runDir, wire.SocketName)
+	c, err := wire.Dial(sock, time.Second)
+	if err != nil {
+		return fmt.Sprintf("unknown: the agent at %s is not reachable (%v)", sock, err)
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+	if err := c.Send(&wire.Message{Kind: wire.KindInspect, Pod: &wire.Pod{UID: uid}}, nil); err != nil {
+		return "unknown: " + err.Error()
+	}
+	m, fd, err := c.Recv()
+	if fd != nil {
+		fd.Close()
+	}
+	switch {
+	case err != nil:
+		return "unknown: " + err.Error()
+	case m.Kind == wire.KindError:
+		return "unknown: the agent says " + m.Error
+	}
+	return m.ZDS
+}
+
+func short(id string) string {
+	if len(id) > 12 {
+		return id[:12]
+	}
+	return id
+}
+
+func prefixes(ps []netip.Prefix) string {
+	s := make([]string, len(ps))
+	for i, p := range ps {
+		s[i] = p.String()
+	}
+	return strings.Join(s, ", ")
+}
+
+func indent(s string) string {
+	return "    " + strings.ReplaceAll(strings.TrimRight(s, "\n"), "\n", "\n    ") + "\n"
+}
