@@ -7,7 +7,7 @@ VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -s -w -X main.version=$(VERSION)
 export CGO_ENABLED := 0
 
-.PHONY: all build test unit bench demo lint fuzz clean deps cni-plugins k8s-bins containerd-bins
+.PHONY: all build test unit bench demo lint fuzz clean deps cni-plugins k8s-bins containerd-bins helm docs manifest
 
 # The reference CNI plugins and cnitool, built from the Go module proxy once
 # and cached: the end-to-end tests chain nftcni after them.
@@ -26,6 +26,10 @@ export NFTCNI_K8S_BIN := $(K8S_BIN)
 CONTAINERD2_VERSION := v2.4.2
 CONTAINERD2_BIN     := $(CACHE)/containerd-$(CONTAINERD2_VERSION)
 export NFTCNI_CONTAINERD2_BIN := $(CONTAINERD2_BIN)
+# helm, to lint and render the chart in tests (about 5 minutes cold).
+HELM_VERSION := v3.22.0
+HELM         := $(CACHE)/helm-$(HELM_VERSION)/helm
+export NFTCNI_HELM := $(HELM)
 
 all: build
 
@@ -34,12 +38,22 @@ build:
 
 # All tests, including the ones that need root and network namespaces (they
 # skip with a message when not root). Fuzz seed corpora run as plain tests.
-test: deps build cni-plugins k8s-bins containerd-bins
+test: deps build cni-plugins k8s-bins containerd-bins helm
 	NFTCNI_REQUIRE_CRI=1 $(GO) test -count=1 ./...
 
 # Debian packages the tests use, installed when missing (root only).
 deps:
 	./hack/deps.sh
+
+helm: $(HELM)
+$(HELM):
+	GOBIN=$(dir $(HELM)) $(GO) install -trimpath -ldflags '-s -w' helm.sh/helm/v3/cmd/helm@$(HELM_VERSION)
+
+# Generated files, each checked up to date by a test.
+docs: manifest
+	$(GO) run ./agent/cmd/nftcni-agent reference > docs/config-reference.md
+manifest: helm
+	$(HELM) template nftcni deploy/charts/nftcni --namespace kube-system --kube-version 1.37.2 > deploy/nftcni.yaml
 
 containerd-bins: $(CONTAINERD2_BIN)/.complete
 $(CONTAINERD2_BIN)/.complete:

@@ -75,6 +75,8 @@ func main() {
 			fmt.Fprintln(os.Stderr, "nftcni-agent inspect:", err)
 			os.Exit(2)
 		}
+	case "reference": // the configuration reference in Markdown (make docs)
+		writeReference(os.Stdout)
 	case "version", "--version":
 		fmt.Println("nftcni-agent", version)
 	case "-h", "--help", "help":
@@ -144,11 +146,13 @@ func setup(name string, args []string, needBinary bool, extra func(*flagSet)) (*
 	return c, log, in, err
 }
 
+func onceFlag(f *flagSet, p *bool) {
+	f.boolean(p, "once", "INSTALL_ONCE", false, "install once and exit instead of watching")
+}
+
 func installCmd(ctx context.Context, args []string) error {
 	var once bool
-	c, log, in, err := setup("install", args, true, func(f *flagSet) {
-		f.boolean(&once, "once", "INSTALL_ONCE", false, "install once and exit instead of watching")
-	})
+	c, log, in, err := setup("install", args, true, func(f *flagSet) { onceFlag(f, &once) })
 	if err != nil {
 		return err
 	}
@@ -177,18 +181,26 @@ func uninstallCmd(args []string) error {
 	return in.Uninstall()
 }
 
+// runFlags are run's own flags, beside the common ones.
+type runFlags struct {
+	healthAddr, monitoringPort, onExit string
+	a                                  ambientFlags
+}
+
+func (r *runFlags) register(f *flagSet) {
+	f.str(&r.healthAddr, "health-addr", "HEALTH_ADDR", ":8000", "address for /healthz and /readyz")
+	f.str(&r.monitoringPort, "monitoring-port", "MONITORING_PORT", "15014", "port for Prometheus /metrics; 0 or less disables it")
+	f.str(&r.onExit, "on-exit", "ON_EXIT", "keep", "what to do with the installed plugin on shutdown: keep (restart or upgrade) | uninstall")
+	r.a.register(f)
+}
+
 func runCmd(ctx context.Context, args []string) error {
-	var healthAddr, monitoringPort, onExit string
-	var a ambientFlags
-	c, log, in, err := setup("run", args, true, func(f *flagSet) {
-		f.str(&healthAddr, "health-addr", "HEALTH_ADDR", ":8000", "address for /healthz and /readyz")
-		f.str(&monitoringPort, "monitoring-port", "MONITORING_PORT", "15014", "port for Prometheus /metrics; 0 or less disables it")
-		f.str(&onExit, "on-exit", "ON_EXIT", "keep", "what to do with the installed plugin on shutdown: keep (restart or upgrade) | uninstall")
-		a.register(f)
-	})
+	var r runFlags
+	c, log, in, err := setup("run", args, true, r.register)
 	if err != nil {
 		return err
 	}
+	healthAddr, monitoringPort, onExit, a := r.healthAddr, r.monitoringPort, r.onExit, &r.a
 	if onExit != "keep" && onExit != "uninstall" {
 		return fmt.Errorf("--on-exit %q: want keep or uninstall", onExit)
 	}
@@ -198,6 +210,13 @@ func runCmd(ctx context.Context, args []string) error {
 	}
 	log.Info("nftcni-agent starting", "version", version, "mode", c.mode, "cni-conf-dir", c.confDir,
 		"cni-bin-dir", c.bins(), "plugin-binary", c.plugin(), "run-dir", c.runDir, "on-exit", onExit)
+	selectors := "Istio's defaults (istio.io/dataplane-mode=ambient on pod or namespace)"
+	if a.selectors != "" {
+		selectors = a.selectors
+	}
+	log.Info("enrolment policy", "selectors", selectors, "exclude-namespaces", c.namespaces(),
+		"system-namespace", a.systemNamespace, "dns-capture", a.dnsCapture, "ipv6", a.ipv6,
+		"status-requires-agent", c.statusRequiresAgent)
 
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -222,7 +241,7 @@ func runCmd(ctx context.Context, args []string) error {
 
 	// The plugin's endpoint comes up before the plugin is installed, so the
 	// first pod after installation already finds the agent.
-	m, stopEvents, err := serveEvents(ctx, c, &a, policy, reg, log)
+	m, stopEvents, err := serveEvents(ctx, c, a, policy, reg, log)
 	if err != nil {
 		return err
 	}

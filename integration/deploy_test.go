@@ -1,0 +1,187 @@
+package integration
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/util/yaml"
+	"k8s.io/client-go/discovery"
+	"k8s.io/client-go/discovery/cached/memory"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/restmapper"
+
+	"github.com/nftcni/nftcni/integration/kubetest"
+)
+
+const chart = "../deploy/charts/nftcni"
+
+// helm is the real helm, built from the module proxy by `make helm`.
+func helm(t testing.TB, args ...string) []byte {
+	t.Helper()
+	bin := os.Getenv("NFTCNI_HELM")
+	if bin == "" {
+		home, _ := os.UserHomeDir()
+		bin = filepath.Join(home, ".cache/nftcni/helm-v3.22.0/helm")
+	}
+	if _, err := os.Stat(bin); err != nil {
+		t.Fatalf("helm not found at %s: run `make helm` (make test does) or set NFTCNI_HELM", bin)
+	}
+	cmd := exec.Command(bin, args...)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("helm %s: %v\n%s%s", strings.Join(args, " "), err, out, stderr.Bytes())
+	}
+	return out
+}
+
+// profiles are the chart's default values ("") and each platform profile.
+func profiles(t testing.TB) []string {
+	t.Helper()
+	files, err := filepath.Glob(filepath.Join(chart, "profiles", "*.yaml"))
+	if err != nil || len(files) < 5 {
+		t.Fatalf("profiles: %v %v", files, err)
+	}
+	return append([]string{""}, files...)
+}
+
+// render is `helm template` as the manifest target runs it.
+func render(t testing.TB, profile string, set ...string) []byte {
+	args := []string{"template", "nftcni", chart, "--namespace", "kube-system", "--kube-version", "1.37.2"}
+	if profile != "" {
+		args = append(args, "-f", profile)
+	}
+	for _, s := range set {
+		args = append(args, "--set", s)
+	}
+	return helm(t, args...)
+}
+
+func objects(t testing.TB, manifest []byte) []*unstructured.Unstructured {
+	t.Helper()
+	var out []*unstructured.Unstructured
+	r := yaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(manifest)))
+	for {
+		doc, err := r.Read()
+		if errors.Is(err, io.EOF) {
+			return out
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		u := &unstructured.Unstructured{}
+		if err := yaml.Unmarshal(doc, &u.Object); err != nil {
+			t.Fatalf("rendered YAML: %v\n%s", err, doc)
+		}
+		if len(u.Object) > 0 {
+			out = append(out, u)
+		}
+	}
+}
+
+// The chart lints and renders with the real helm for the defaults and
+// every platform profile (and the options that add objects), and the real
+// kube-apiserver accepts every rendered object in a server-side dry-run
+// create with strict field validation, so a misspelt field fails here.
+// Every ConfigMap key is an env var the agent reads.
+func TestHelmChartAcceptedByAPIServer(t *testing.T) {
+	api := kubetest.Start(t)
+	dyn, err := dynamic.NewForConfig(api.Config)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dc, err := discovery.NewDiscoveryClientForConfig(api.Config)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mapper := restmapper.NewDeferredDiscoveryRESTMapper(memory.NewMemCacheClient(dc))
+	envs := agentEnvVars(t)
+	for _, p := range profiles(t) {
+		name := "default"
+		if p != "" {
+			name = strings.TrimSuffix(filepath.Base(p), ".yaml")
+		}
+		t.Run(name, func(t *testing.T) {
+			lint := []string{"lint", chart, "--strict", "--kube-version", "1.37.2"}
+			if p != "" {
+				lint = append(lint, "-f", p)
+			}
+			helm(t, lint...)
+			objs := objects(t, render(t, p, "resourceQuotas.enabled=true", "networkPolicy.enabled=true"))
+			kinds := map[string]bool{}
+			for _, o := range objs {
+				kinds[o.GetKind()] = true
+				gvk := o.GroupVersionKind()
+				m, err := mapper.RESTMapping(gvk.GroupKind(), gvk.Version)
+				if err != nil {
+					t.Fatalf("%s %s: %v", gvk, o.GetName(), err)
+				}
+				ri := dyn.Resource(m.Resource)
+				var c dynamic.ResourceInterface = ri
+				if o.GetNamespace() != "" {
+					c = ri.Namespace(o.GetNamespace())
+				}
+				if _, err := c.Create(context.Background(), o, metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}, FieldValidation: "Strict"}); err != nil {
+					t.Errorf("API server refuses %s %s: %v", gvk.Kind, o.GetName(), err)
+				}
+				if o.GetKind() == "ConfigMap" {
+					data, _, _ := unstructured.NestedStringMap(o.Object, "data")
+					for k := range data {
+						if !envs[k] {
+							t.Errorf("ConfigMap key %s is not an env var of nftcni-agent run", k)
+						}
+					}
+				}
+			}
+			for _, k := range []string{"DaemonSet", "ConfigMap", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ResourceQuota", "NetworkPolicy"} {
+				if !kinds[k] {
+					t.Errorf("no %s rendered", k)
+				}
+			}
+		})
+	}
+}
+
+// agentEnvVars are the env vars `nftcni-agent run` reads, from its
+// generated reference.
+func agentEnvVars(t testing.TB) map[string]bool {
+	t.Helper()
+	b, err := os.ReadFile("../docs/config-reference.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	run, _, _ := strings.Cut(string(b), "## `nftcni-agent install`")
+	out := map[string]bool{}
+	for _, l := range strings.Split(run, "\n") {
+		if f := strings.Split(l, "|"); len(f) > 3 && strings.HasPrefix(strings.TrimSpace(f[2]), "`") {
+			out[strings.Trim(strings.TrimSpace(f[2]), "`")] = true
+		}
+	}
+	if len(out) < 20 {
+		t.Fatalf("read only %d env vars from the reference", len(out))
+	}
+	return out
+}
+
+// deploy/nftcni.yaml is the chart rendered with its defaults; regenerate
+// it with `make manifest` when this fails.
+func TestRenderedManifestIsUpToDate(t *testing.T) {
+	have, err := os.ReadFile("../deploy/nftcni.yaml")
+	if err != nil {
+		t.Fatalf("%v: run `make manifest`", err)
+	}
+	if want := render(t, ""); !bytes.Equal(have, want) {
+		t.Fatal("deploy/nftcni.yaml differs from the chart's rendering: run `make manifest`")
+	}
+}
