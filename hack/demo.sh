@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # make demo: nftcni on a throw-away host layout, no cluster.
 # A real primary CNI config (Calico's, as it ships) is patched, the primary
-# "restarts" and rewrites its file, the agent repairs it. Then (as root) pods
-# are created with cnitool on a node whose primary is the reference bridge
-# plugin: one in an enrolled namespace gets its ruleset from nftcni, one
-# outside the mesh gets nothing. Uninstall gives back the original bytes.
+# "restarts" and rewrites its file, the agent repairs it. Then pods are
+# created with cnitool (libcni, as runtimes run CNI) on a node whose primary
+# is the reference bridge plugin: one in an enrolled namespace gets its
+# ruleset and its traffic lands on a stand-in ztunnel, one outside the mesh
+# gets nothing until its namespace is labelled, and loses it again when the
+# label goes; inspect shows the live state. Uninstall gives back the
+# original bytes.
 # Everything lives under one temp dir and a few netns, removed at exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -122,9 +125,9 @@ JSON
 	}
 	step "cnitool add shop/cart (namespace shop is labelled istio.io/dataplane-mode=ambient)"
 	cni add "$CART" shop cart | grep -E '"address"'
-	echo "ztunnel got the pod's netns first (ZDS AddWorkload with the fd the plugin handed over):"
+	echo "ztunnel got the pod's netns (ZDS AddWorkload with the fd the plugin handed over) while the plugin programmed the rules:"
 	grep AddWorkload "$HOST/ztunnel.log"
-	echo "then the pod's netns got our table (read back with nft, which nftcni itself never runs):"
+	echo "the pod's netns has our table (read back with nft, which nftcni itself never runs):"
 	ip netns exec "$CART" nft list table inet nftcni | grep -E 'chain|redirect|tproxy|dnat' | head -12
 	echo "policy routing: $(ip -n "$CART" rule show | grep 'lookup 100')"
 	echo "and the node's probe SNAT set holds the pod IP, commented with its UID:"
@@ -135,10 +138,30 @@ JSON
 	step "cnitool add legacy/batch (not in the mesh): no rules"
 	cni add "$BATCH" legacy batch | grep -E '"address"'
 	ip netns exec "$BATCH" nft list tables | grep -q nftcni && { echo "unexpected table"; exit 1; } || echo "no nftcni table in legacy/batch"
-	step "CHECK passes; someone deletes the table; CHECK fails"
+	step "namespace legacy gets labelled istio.io/dataplane-mode=ambient: the running legacy/batch is enrolled"
+	sed -i 's/{name: legacy}/{name: legacy, labels: {istio.io\/dataplane-mode: ambient}}/' "$HOST/pods/pods.yaml"
+	for _ in $(seq 300); do ip netns exec "$BATCH" nft list tables | grep -q nftcni && break; sleep 0.01; done
+	ip netns exec "$BATCH" nft list tables | grep nftcni
+	sleep 0.2; grep 'AddWorkload legacy/batch' "$HOST/ztunnel.log"
+	ip netns exec "$BATCH" bash -c 'exec 3<>/dev/tcp/10.123.0.1/443' || true
+	sleep 0.2; grep 'legacy/batch: connection.*landed' "$HOST/ztunnel.log"
+	step "the label goes again: legacy/batch leaves the mesh, rules and ztunnel state with it"
+	sed -i 's/{name: legacy, labels: {istio.io\/dataplane-mode: ambient}}/{name: legacy}/' "$HOST/pods/pods.yaml"
+	for _ in $(seq 300); do ip netns exec "$BATCH" nft list tables | grep -q nftcni || break; sleep 0.01; done
+	ip netns exec "$BATCH" nft list tables | grep -q nftcni && { echo "table left"; exit 1; } || echo "no nftcni table in legacy/batch"
+	sleep 0.2; grep 'DelWorkload' "$HOST/ztunnel.log" | tail -1
+
+	step "nftcni-agent inspect shop/cart: live ruleset read through netlink, verdict, enrolment, ztunnel state"
+	"$AGENT" inspect shop/cart | head -9
+	echo "    ... (full ruleset follows in the real output)"
+	step "nftcni-agent inspect host: the probe SNAT table"
+	"$AGENT" inspect host | head -12
+
+	step "CHECK passes; someone deletes the table; CHECK fails and inspect says DRIFT (exit 1)"
 	cni check "$CART" shop cart && echo "check: ok"
 	ip netns exec "$CART" nft delete table inet nftcni
 	cni check "$CART" shop cart 2>&1 | head -3 || true
+	"$AGENT" inspect shop/cart | grep -A2 ruleset || echo "inspect exit status: $?"
 	step "DEL removes everything (and a second DEL is fine)"
 	cni del "$CART" shop cart; cni del "$CART" shop cart; cni del "$BATCH" legacy batch
 	ip netns exec "$CART" nft list tables | grep -q nftcni && { echo "table left"; exit 1; } || echo "no table left in shop/cart"
