@@ -140,14 +140,7 @@ func newCNINode(t testing.TB, subnet int) *cniNode {
 }
 
 // probeSet lists the host probe set's v4 elements in the node netns.
-func (n *cniNode) probeSet(t *testing.T) string {
-	t.Helper()
-	out, err := exec.Command("ip", "netns", "exec", n.node.Name, "nft", "list", "set", "inet", nft.HostTable, "probe-v4").CombinedOutput()
-	if err != nil {
-		t.Fatalf("listing the probe set: %v\n%s", err, out)
-	}
-	return string(out)
-}
+func (n *cniNode) probeSet(t *testing.T) string { return probeSet(t, n.node) }
 
 // startAgent serves the plugin socket until stopAgent or the test's end,
 // with the host probe table in place and a test ztunnel connected.

@@ -368,6 +368,7 @@ func TestCRIStatusFollowsAgent(t *testing.T) {
 	}
 }
 
+// probeSet lists the host probe set's v4 elements in the netns host.
 func probeSet(t testing.TB, host *testnet.NS) string {
 	t.Helper()
 	out, err := exec.Command("ip", "netns", "exec", host.Name, "nft", "list", "set", "inet", nft.HostTable, "probe-v4").CombinedOutput()

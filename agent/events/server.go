@@ -41,9 +41,9 @@ type Handler interface {
 	// Added completes an ADD. For an enrolled pod it reports the plugin's
 	// outcome: programErr nil means the rules are in place, Prepare
 	// succeeded and the pod may be marked enrolled; it is called with an
-	// error when either failed or the plugin went away. For ModeNone it is called once the decision
-	// is sent: the pod is known (its netns with it), not enrolled. An error
-	// return fails the ADD.
+	// error when either failed or the plugin went away. For ModeNone it is
+	// called once the decision is sent: the pod is known (its netns with
+	// it), not enrolled. An error return fails the ADD.
 	Added(ctx context.Context, pod *wire.Pod, d *wire.Decision, netns *os.File, programErr error) error
 	// Deleted is the pod's DEL: release whatever is held for it.
 	Deleted(ctx context.Context, pod *wire.Pod) error

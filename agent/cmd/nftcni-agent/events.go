@@ -109,7 +109,7 @@ func serveEvents(ctx context.Context, c *common, a *ambientFlags, policy *enable
 	}
 	hostNetns, err := os.Open(a.hostNetns)
 	if err != nil {
-		return nil, nil, fmt.Errorf("--host-netns: %w", err)
+		return nil, nil, fmt.Errorf("--host-netns %s: %w (in a pod: mount the host's /proc and add CAP_SYS_PTRACE to open /host/proc/1/ns/net)", a.hostNetns, err)
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	var waits []chan struct{}
@@ -222,7 +222,7 @@ func serveEvents(ctx context.Context, c *common, a *ambientFlags, policy *enable
 	// 3. Host probe table (exactly the restored members), then ztunnel,
 	// then the plugin.
 	if err := m.PruneHost(); err != nil {
-		return fail(fmt.Errorf("host probe table in %s: %w", a.hostNetns, err))
+		return fail(fmt.Errorf("host probe table in %s: %w (the agent needs CAP_NET_ADMIN, and CAP_SYS_ADMIN to enter that netns)", a.hostNetns, err))
 	}
 	log.Info("host probe SNAT table in place", "netns", a.hostNetns, "table", "inet nftcni-host")
 	goWait(func() { m.GuardHost(ctx, 10*time.Second) })
