@@ -185,3 +185,43 @@ func TestRenderedManifestIsUpToDate(t *testing.T) {
 		t.Fatal("deploy/nftcni.yaml differs from the chart's rendering: run `make manifest`")
 	}
 }
+
+// The image the chart runs has what the chart expects (the plugin at
+// PLUGIN_BINARY, the agent as the entrypoint) and nothing to run a shell,
+// iptables or nft with: its last stage is scratch and only copies.
+func TestDockerfileMatchesTheChart(t *testing.T) {
+	b, err := os.ReadFile("../Dockerfile")
+	if err != nil {
+		t.Fatal(err)
+	}
+	stages := strings.Split(string(b), "\nFROM ")
+	final := stages[len(stages)-1]
+	if !strings.HasPrefix(final, "scratch") {
+		t.Errorf("the image's last stage is not scratch: FROM %s", strings.SplitN(final, "\n", 2)[0])
+	}
+	for _, l := range strings.Split(final, "\n") {
+		if f := strings.Fields(l); len(f) > 0 && (f[0] == "RUN" || f[0] == "SHELL") {
+			t.Errorf("the final stage runs something: %s", l)
+		}
+	}
+	var plugin string
+	for _, o := range objects(t, render(t, "")) {
+		if o.GetKind() != "DaemonSet" {
+			continue
+		}
+		cs, _, _ := unstructured.NestedSlice(o.Object, "spec", "template", "spec", "containers")
+		env, _, _ := unstructured.NestedSlice(cs[0].(map[string]any), "env")
+		for _, e := range env {
+			if e := e.(map[string]any); e["name"] == "PLUGIN_BINARY" {
+				plugin, _ = e["value"].(string)
+			}
+		}
+	}
+	dir, name := filepath.Split(plugin)
+	if plugin == "" || !strings.Contains(final, "COPY --from=build /out/"+name+" ") || !strings.Contains(final, " "+dir+"\n") {
+		t.Errorf("the chart's PLUGIN_BINARY %q is not where the Dockerfile puts the plugin:\n%s", plugin, final)
+	}
+	if !strings.Contains(final, `ENTRYPOINT ["`+dir+`nftcni-agent"]`) {
+		t.Errorf("the image's entrypoint is not the agent in %s", dir)
+	}
+}
