@@ -227,7 +227,8 @@ func (m *Mesh) Added(ctx context.Context, p *wire.Pod, d *wire.Decision, netns *
 }
 
 // RedirectionEnabled is the annotation value of an enrolled pod. Istio's
-// "pending" (rules without ztunnel) cannot arise here: ztunnel acks first.
+// "pending" (rules without ztunnel) cannot arise here: a pod is annotated
+// only once ztunnel has acked it.
 const RedirectionEnabled = "enabled"
 
 // Deleted is the pod's DEL: ztunnel lets go, the probe set forgets its IPs,
