@@ -55,13 +55,19 @@ type fake struct {
 	deleted   []string
 	gc        [][]wire.Attachment
 	delay     time.Duration
+	// prepareErr is what Prepare returns after prepareDelay.
+	prepareErr   error
+	prepareDelay time.Duration
 }
 
 func (f *fake) Decide(ctx context.Context, p *wire.Pod) (*wire.Decision, error) {
 	time.Sleep(f.delay)
 	return f.decision, f.decideErr
 }
-func (f *fake) Prepare(context.Context, *wire.Pod, *wire.Decision, *os.File) error { return nil }
+func (f *fake) Prepare(context.Context, *wire.Pod, *wire.Decision, *os.File) error {
+	time.Sleep(f.prepareDelay)
+	return f.prepareErr
+}
 func (f *fake) Added(_ context.Context, _ *wire.Pod, _ *wire.Decision, _ *os.File, err error) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -354,5 +360,50 @@ func TestAddConversationAndLogs(t *testing.T) {
 	}
 	if got := testutil.ToFloat64(hs.metrics.Requests.WithLabelValues("add", "success")); got != 1 {
 		t.Errorf("add success counted %v", got)
+	}
+}
+
+// The decision does not wait for Prepare (ztunnel), the answer does: a
+// Prepare that fails after the plugin programmed its rules fails the ADD
+// with Prepare's error, and Added hears of it.
+func TestPrepareRunsBesideTheRulesAndItsFailureFailsTheAdd(t *testing.T) {
+	f := &fake{decision: &wire.Decision{Mode: wire.ModeAmbient, Ambient: &nft.AmbientSpec{}},
+		prepareErr: errors.New("ztunnel refused: cannot enter netns"), prepareDelay: 200 * time.Millisecond}
+	hs := serve(t, f, "")
+	netns, _ := os.Open("/proc/self/ns/net")
+	defer netns.Close()
+	c, _ := hs.dial(t)
+	start := time.Now()
+	if err := c.Send(&wire.Message{Kind: wire.KindAdd, Pod: pod()}, netns); err != nil {
+		t.Fatal(err)
+	}
+	if m, _, err := c.Recv(); err != nil || m.Kind != wire.KindDecision {
+		t.Fatalf("decision: %+v %v", m, err)
+	}
+	if took := time.Since(start); took >= f.prepareDelay {
+		t.Errorf("the decision waited %v for Prepare", took)
+	}
+	if err := c.Send(&wire.Message{Kind: wire.KindOutcome}, nil); err != nil {
+		t.Fatal(err)
+	}
+	m, _, err := c.Recv()
+	if err != nil || m.Kind != wire.KindError || !strings.Contains(m.Error, "cannot enter netns") {
+		t.Fatalf("answer: %+v %v, want Prepare's error", m, err)
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if len(f.enrolled) != 1 || f.enrolled[0] == nil {
+		t.Errorf("Added saw %v, want Prepare's error", f.enrolled)
+	}
+}
+
+func TestInspectAnswersWhatZtunnelHas(t *testing.T) {
+	hs := serve(t, &fake{}, "")
+	c, _ := hs.dial(t)
+	if err := c.Send(&wire.Message{Kind: wire.KindInspect, Pod: &wire.Pod{UID: "uid-1"}}, nil); err != nil {
+		t.Fatal(err)
+	}
+	if m, _, err := c.Recv(); err != nil || m.Kind != wire.KindDone || m.ZDS != "zds state of uid-1" {
+		t.Fatalf("inspect: %+v %v", m, err)
 	}
 }

@@ -97,10 +97,29 @@ func TestAddAndDel(t *testing.T) {
 	if _, err := testnet.Accept(t, p.Outbound, wait); err != nil {
 		t.Errorf("ztunnel's 15001 in the pod netns: %v", err)
 	}
+	if st := s.State("uid-cart"); !strings.HasPrefix(st, "handed to ztunnel") {
+		t.Errorf("state after Add: %s", st)
+	}
 	s.Del("uid-cart")
 	z.Wait(zds.KindDel, "uid-cart", wait)
 	if z.Pod("uid-cart") != nil || len(s.Known()) != 0 {
 		t.Error("pod still known after Del")
+	}
+	if st := s.State("uid-cart"); !strings.HasPrefix(st, "not held") {
+		t.Errorf("state after Del: %s", st)
+	}
+}
+
+// What inspect prints for pods the server holds with no ztunnel connected.
+func TestStateWithoutZtunnel(t *testing.T) {
+	s, _ := serve(t)
+	s.Track("kept", zds.WorkloadInfo{Name: "k"}, nil)
+	s.Track("withfd", zds.WorkloadInfo{Name: "w"}, openNS(t, testnet.NewNS(t, "nftzds")))
+	t.Cleanup(func() { s.Del("kept"); s.Del("withfd") }) // closes the server's dup
+	for uid, want := range map[string]string{"kept": "held without its netns", "withfd": "held with its netns; no ztunnel connected", "other": "not held"} {
+		if st := s.State(uid); !strings.HasPrefix(st, want) {
+			t.Errorf("State(%s) = %q, want %q…", uid, st, want)
+		}
 	}
 }
 
