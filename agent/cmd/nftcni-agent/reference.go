@@ -29,7 +29,7 @@ func commands() []struct {
 		flags      *flagSet
 	}{
 		{"run", "install, then watch and repair; serve the plugin, watch pods, talk to ztunnel (what the DaemonSet runs)", mk("run", c.register, r.register)},
-		{"install", "install the plugin and its config (once, with --once) ", mk("install", c.register, func(f *flagSet) { onceFlag(f, &once) })},
+		{"install", "install the plugin and its config (once, with --once)", mk("install", c.register, func(f *flagSet) { onceFlag(f, &once) })},
 		{"uninstall", "remove exactly what install added", mk("uninstall", c.register)},
 		{"inspect", "a pod's or the host's live ruleset, drift, enrolment and ztunnel state", mk("inspect", i.register)},
 	}
