@@ -107,7 +107,14 @@ func TestWatchReloadsAndKeepsLastGood(t *testing.T) {
 	time.Sleep(50 * time.Millisecond) // let the watch arm
 	write(t, dir, "more.json", list)
 	waitFor("the new pod", func() bool { return store.Pod("default", "web") != nil })
+	// A write can arrive as several events more than one debounce apart
+	// (create, then write): count reloads only once they have settled.
 	n := reloads.Load()
+	for settled := time.Now(); time.Since(settled) < 150*time.Millisecond; time.Sleep(10 * time.Millisecond) {
+		if m := reloads.Load(); m != n {
+			n, settled = m, time.Now()
+		}
+	}
 	write(t, dir, "broken.yaml", "kind: [\n")
 	time.Sleep(200 * time.Millisecond)
 	if store.Pod("default", "web") == nil || store.Pod("mesh", "app") == nil || reloads.Load() != n {
