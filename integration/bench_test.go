@@ -84,15 +84,7 @@ func BenchmarkCNIAdd(b *testing.B) {
 	if got := len(n.mesh.Members()); got != 0 {
 		b.Fatalf("agent still holds %d pods", got)
 	}
-	q := func(v string, p float64) float64 {
-		s := slices.Clone(samples[v])
-		slices.Sort(s)
-		return float64(s[int(p*float64(len(s)-1))]) / 1e6
-	}
-	for _, v := range order {
-		b.ReportMetric(q(v, 0.5), v+"-ms-median")
-		b.ReportMetric(q(v, 0.9), v+"-ms-p90")
-	}
+	q := reportQuantiles(b, order, samples)
 	b.ReportMetric(q("enrolled", 0.5)-q("primary", 0.5), "added-enrolled-ms-median")
 	b.ReportMetric(q("enrolled", 0.9)-q("primary", 0.9), "added-enrolled-ms-p90")
 	b.ReportMetric(q("plain", 0.5)-q("primary", 0.5), "added-plain-ms-median")
@@ -102,6 +94,23 @@ func BenchmarkCNIAdd(b *testing.B) {
 	b.ReportMetric(q("enrolled", 0.5)-q("tuning", 0.5), "own-enrolled-ms-median")
 	b.ReportMetric(q("plain", 0.5)-q("tuning", 0.5), "own-plain-ms-median")
 	b.ReportMetric(q("enrolled", 0.5)*1e6, "ns/op")
+}
+
+// reportQuantiles reports each variant's median and p90 in ms and returns
+// the quantile function, in ms, for derived figures.
+func reportQuantiles(b *testing.B, order []string, samples map[string][]time.Duration) func(v string, p float64) float64 {
+	q := func(v string, p float64) float64 {
+		s := slices.Clone(samples[v])
+		slices.Sort(s)
+		return float64(s[int(p*float64(len(s)-1))]) / 1e6
+	}
+	for _, v := range order {
+		if len(samples[v]) > 0 {
+			b.ReportMetric(q(v, 0.5), v+"-ms-median")
+			b.ReportMetric(q(v, 0.9), v+"-ms-p90")
+		}
+	}
+	return q
 }
 
 // withTuning appends the reference tuning plugin with nothing to tune: the
@@ -160,15 +169,7 @@ func BenchmarkRunPodSandbox(b *testing.B) {
 					node.remove(containerdtest.Sandbox{ID: id})
 				}
 			}
-			q := func(v string, p float64) float64 {
-				s := slices.Clone(samples[v])
-				slices.Sort(s)
-				return float64(s[int(p*float64(len(s)-1))]) / 1e6
-			}
-			for _, v := range order {
-				b.ReportMetric(q(v, 0.5), v+"-ms-median")
-				b.ReportMetric(q(v, 0.9), v+"-ms-p90")
-			}
+			q := reportQuantiles(b, order, samples)
 			b.ReportMetric(q("enrolled", 0.5)-q("primary", 0.5), "added-enrolled-ms-median")
 			b.ReportMetric(q("plain", 0.5)-q("primary", 0.5), "added-plain-ms-median")
 			b.ReportMetric(q("tuning", 0.5)-q("primary", 0.5), "added-tuning-ms-median")

@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"net/netip"
 	"os"
@@ -112,7 +111,7 @@ func newCRINode(t testing.TB, gen containerdtest.Generation, subnet int, version
 func (n *criNode) startAgent(args ...string) {
 	t := n.t
 	t.Helper()
-	port := freePort(t)
+	port := testnet.FreePort(t)
 	n.metrics = fmt.Sprintf("http://127.0.0.1:%d/metrics", port)
 	cmd, addr, _ := startAgent(t, n.h, append([]string{"--pod-source", n.podSrc, "--monitoring-port", fmt.Sprint(port)}, args...)...)
 	waitReady(t, addr)
@@ -410,17 +409,6 @@ func copyFile(t testing.TB, from, to string) {
 	if err := out.Close(); err != nil {
 		t.Fatal(err)
 	}
-}
-
-// freePort is a TCP port nothing listens on right now.
-func freePort(t testing.TB) int {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
 }
 
 func tail(s string, n int) string {

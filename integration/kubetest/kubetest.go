@@ -12,7 +12,6 @@ import (
 	"crypto/x509"
 	"encoding/pem"
 	"fmt"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -24,6 +23,8 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+
+	"github.com/nftcni/nftcni/integration/testnet"
 )
 
 // Server is a running API server.
@@ -47,16 +48,6 @@ func Bins(t testing.TB) string {
 		}
 	}
 	return dir
-}
-
-func freePort(t testing.TB) int {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
 }
 
 func start(t testing.TB, name, bin string, args ...string) {
@@ -89,7 +80,7 @@ func Start(t testing.TB) *Server {
 	t.Helper()
 	bins := Bins(t)
 	dir := t.TempDir()
-	etcdClient, etcdPeer, apiPort := freePort(t), freePort(t), freePort(t)
+	etcdClient, etcdPeer, apiPort := testnet.FreePort(t), testnet.FreePort(t), testnet.FreePort(t)
 	start(t, "etcd", filepath.Join(bins, "etcd"), "--data-dir", filepath.Join(dir, "etcd"), "--name", "default",
 		"--listen-client-urls", fmt.Sprintf("http://127.0.0.1:%d", etcdClient),
 		"--advertise-client-urls", fmt.Sprintf("http://127.0.0.1:%d", etcdClient),

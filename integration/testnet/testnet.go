@@ -67,6 +67,17 @@ func NewNS(t testing.TB, prefix string) *NS {
 	return n
 }
 
+// FreePort is a TCP port on 127.0.0.1 nothing listens on right now.
+func FreePort(t testing.TB) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
 // IP runs the ip command (tests only).
 func IP(t testing.TB, args ...string) {
 	t.Helper()
