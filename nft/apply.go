@@ -64,6 +64,18 @@ func Apply(fd int, rs *Ruleset) error {
 	if err != nil {
 		return err
 	}
+	if err := stage(c, rs, have); err != nil {
+		return err
+	}
+	if err := c.Flush(); err != nil {
+		return fmt.Errorf("programming tables %v: %w", rs.names(), err)
+	}
+	return applyRoutes(fd, rs.Routes)
+}
+
+// stage queues on c the batch that makes rs's tables exist: add-only for a
+// table not in have, delete-and-add (an atomic replace) for one that is.
+func stage(c *nftables.Conn, rs *Ruleset, have map[string]bool) error {
 	var setID uint32
 	for _, t := range rs.Tables {
 		nt := &nftables.Table{Name: t.Name, Family: nftables.TableFamilyINet}
@@ -88,10 +100,7 @@ func Apply(fd int, rs *Ruleset) error {
 			}
 		}
 	}
-	if err := c.Flush(); err != nil {
-		return fmt.Errorf("programming tables %v: %w", rs.names(), err)
-	}
-	return applyRoutes(fd, rs.Routes)
+	return nil
 }
 
 // Delete removes the named tables and the policy routes of rs; anything

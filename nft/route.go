@@ -33,12 +33,16 @@ func (r Route) rule() *netlink.Rule {
 	return nr
 }
 
-func (r Route) route(lo int) *netlink.Route {
+// loopbackIndex is lo's ifindex: the kernel gives loopback index 1 in every
+// netns (LOOPBACK_IFINDEX), so no lookup round trip is needed.
+const loopbackIndex = 1
+
+func (r Route) route() *netlink.Route {
 	dst := &net.IPNet{IP: net.IPv4zero.To4(), Mask: net.CIDRMask(0, 32)}
 	if r.V6 {
 		dst = &net.IPNet{IP: net.IPv6zero, Mask: net.CIDRMask(0, 128)}
 	}
-	return &netlink.Route{LinkIndex: lo, Dst: dst, Table: r.Table, Type: unix.RTN_LOCAL, Scope: netlink.SCOPE_HOST, Family: r.family()}
+	return &netlink.Route{LinkIndex: loopbackIndex, Dst: dst, Table: r.Table, Type: unix.RTN_LOCAL, Scope: netlink.SCOPE_HOST, Family: r.family()}
 }
 
 // applyRoutes makes `ip rule fwmark M/K pref P lookup T` and `ip route
@@ -52,12 +56,8 @@ func applyRoutes(fd int, routes []Route) error {
 		return fmt.Errorf("policy routing: %w", err)
 	}
 	defer h.Close()
-	lo, err := h.LinkByName("lo")
-	if err != nil {
-		return fmt.Errorf("policy routing: %w", err)
-	}
 	for _, r := range routes {
-		if err := h.RouteReplace(r.route(lo.Attrs().Index)); err != nil {
+		if err := h.RouteReplace(r.route()); err != nil {
 			return fmt.Errorf("local default route in table %d: %w", r.Table, err)
 		}
 		// RuleAdd asks for an exclusive create: an identical rule is EEXIST.
@@ -138,10 +138,8 @@ func deleteRoutes(fd int, routes []Route) error {
 				break
 			}
 		}
-		if lo, err := h.LinkByName("lo"); err == nil {
-			if err := h.RouteDel(r.route(lo.Attrs().Index)); err != nil && !errors.Is(err, unix.ESRCH) && !errors.Is(err, unix.ENOENT) {
-				errs = append(errs, err)
-			}
+		if err := h.RouteDel(r.route()); err != nil && !errors.Is(err, unix.ESRCH) && !errors.Is(err, unix.ENOENT) {
+			errs = append(errs, err)
 		}
 	}
 	return errors.Join(errs...)
