@@ -14,6 +14,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -146,8 +147,42 @@ func TestUnknownModeIsAClearError(t *testing.T) {
 	}
 }
 
-// startAgent runs `nftcni-agent run` and returns it with its health address.
-func startAgent(t testing.TB, h *host, extra ...string) (*exec.Cmd, string, *bytes.Buffer) {
+// agentLog collects an agent's stderr for as long as it runs.
+type agentLog struct {
+	mu   sync.Mutex
+	b    bytes.Buffer
+	done chan struct{} // closed at EOF: the agent has exited
+}
+
+func (l *agentLog) add(line string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.b.WriteString(line + "\n")
+}
+
+func (l *agentLog) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+// stop sends SIGTERM and waits for the agent to exit, its log read to the end.
+func (l *agentLog) stop(t testing.TB, cmd *exec.Cmd) error {
+	t.Helper()
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-l.done:
+	case <-time.After(30 * time.Second):
+		t.Fatalf("agent did not exit within 30 s of SIGTERM:\n%s", l)
+	}
+	return cmd.Wait()
+}
+
+// startAgent runs `nftcni-agent run` and returns it with its health address
+// and its log.
+func startAgent(t testing.TB, h *host, extra ...string) (*exec.Cmd, string, *agentLog) {
 	t.Helper()
 	args := append([]string{"run", "--health-addr", "127.0.0.1:0", "--monitoring-port", "0"}, extra...)
 	cmd := h.agent(args...)
@@ -159,12 +194,12 @@ func startAgent(t testing.TB, h *host, extra ...string) (*exec.Cmd, string, *byt
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = cmd.Process.Kill(); _, _ = cmd.Process.Wait() })
-	logs := &bytes.Buffer{}
+	logs := &agentLog{done: make(chan struct{})}
 	addrRe := regexp.MustCompile(`serving /healthz and /readyz" addr=(\S+)`)
 	sc := bufio.NewScanner(stderr)
 	addr := ""
 	for addr == "" && sc.Scan() {
-		logs.WriteString(sc.Text() + "\n")
+		logs.add(sc.Text())
 		if m := addrRe.FindStringSubmatch(sc.Text()); m != nil {
 			addr = m[1]
 		}
@@ -172,7 +207,13 @@ func startAgent(t testing.TB, h *host, extra ...string) (*exec.Cmd, string, *byt
 	if addr == "" {
 		t.Fatalf("agent did not report its health address:\n%s", logs)
 	}
-	go func() { _, _ = io.Copy(io.Discard, stderr) }()
+	go func() {
+		defer close(logs.done)
+		for sc.Scan() {
+			logs.add(sc.Text())
+		}
+		_, _ = io.Copy(io.Discard, stderr) // past an over-long line: keep the agent unblocked
+	}()
 	return cmd, addr, logs
 }
 
@@ -192,29 +233,28 @@ func waitReady(t testing.TB, addr string) {
 	t.Fatal("agent never became ready")
 }
 
+// Off Kubernetes, --on-exit auto (the default) keeps the install, as for a
+// restart; --on-exit uninstall restores the original bytes.
 func TestRunKeepsInstallOnRestartAndUninstallsWhenAsked(t *testing.T) {
 	h := newHost(t)
-	cmd, addr, _ := startAgent(t, h)
+	cmd, addr, logs := startAgent(t, h)
 	waitReady(t, addr)
 	if n := h.entries(t); n != 1 {
 		t.Fatalf("%d entries while running", n)
 	}
-	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Wait(); err != nil {
+	if err := logs.stop(t, cmd); err != nil {
 		t.Fatalf("agent exit: %v", err)
 	}
 	if n := h.entries(t); n != 1 {
-		t.Errorf("--on-exit keep: %d entries after SIGTERM, want 1", n)
+		t.Errorf("--on-exit auto off Kubernetes: %d entries after SIGTERM, want 1", n)
+	}
+	if !strings.Contains(logs.String(), "not on Kubernetes, keeping the plugin") {
+		t.Errorf("no exit decision logged:\n%s", logs)
 	}
 
-	cmd, addr, _ = startAgent(t, h, "--on-exit", "uninstall")
+	cmd, addr, logs = startAgent(t, h, "--on-exit", "uninstall")
 	waitReady(t, addr)
-	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Wait(); err != nil {
+	if err := logs.stop(t, cmd); err != nil {
 		t.Fatalf("agent exit: %v", err)
 	}
 	if got, _ := os.ReadFile(h.path()); !bytes.Equal(got, h.orig) {

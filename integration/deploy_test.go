@@ -97,15 +97,7 @@ func objects(t testing.TB, manifest []byte) []*unstructured.Unstructured {
 // Every ConfigMap key is an env var the agent reads.
 func TestHelmChartAcceptedByAPIServer(t *testing.T) {
 	api := kubetest.Start(t)
-	dyn, err := dynamic.NewForConfig(api.Config)
-	if err != nil {
-		t.Fatal(err)
-	}
-	dc, err := discovery.NewDiscoveryClientForConfig(api.Config)
-	if err != nil {
-		t.Fatal(err)
-	}
-	mapper := restmapper.NewDeferredDiscoveryRESTMapper(memory.NewMemCacheClient(dc))
+	create := creator(t, api)
 	envs := agentEnvVars(t)
 	for _, p := range profiles(t) {
 		name := "default"
@@ -122,18 +114,8 @@ func TestHelmChartAcceptedByAPIServer(t *testing.T) {
 			kinds := map[string]bool{}
 			for _, o := range objs {
 				kinds[o.GetKind()] = true
-				gvk := o.GroupVersionKind()
-				m, err := mapper.RESTMapping(gvk.GroupKind(), gvk.Version)
-				if err != nil {
-					t.Fatalf("%s %s: %v", gvk, o.GetName(), err)
-				}
-				ri := dyn.Resource(m.Resource)
-				var c dynamic.ResourceInterface = ri
-				if o.GetNamespace() != "" {
-					c = ri.Namespace(o.GetNamespace())
-				}
-				if _, err := c.Create(context.Background(), o, metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}, FieldValidation: "Strict"}); err != nil {
-					t.Errorf("API server refuses %s %s: %v", gvk.Kind, o.GetName(), err)
+				if err := create(o, metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}, FieldValidation: "Strict"}); err != nil {
+					t.Errorf("API server refuses %s %s: %v", o.GetKind(), o.GetName(), err)
 				}
 				if o.GetKind() == "ConfigMap" {
 					data, _, _ := unstructured.NestedStringMap(o.Object, "data")
@@ -144,12 +126,39 @@ func TestHelmChartAcceptedByAPIServer(t *testing.T) {
 					}
 				}
 			}
-			for _, k := range []string{"DaemonSet", "ConfigMap", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ResourceQuota", "NetworkPolicy"} {
+			for _, k := range []string{"DaemonSet", "ConfigMap", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "ResourceQuota", "NetworkPolicy"} {
 				if !kinds[k] {
 					t.Errorf("no %s rendered", k)
 				}
 			}
 		})
+	}
+}
+
+// creator returns a function that creates any object on api, whatever its
+// kind, as kubectl would.
+func creator(t testing.TB, api *kubetest.Server) func(*unstructured.Unstructured, metav1.CreateOptions) error {
+	dyn, err := dynamic.NewForConfig(api.Config)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dc, err := discovery.NewDiscoveryClientForConfig(api.Config)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mapper := restmapper.NewDeferredDiscoveryRESTMapper(memory.NewMemCacheClient(dc))
+	return func(o *unstructured.Unstructured, opts metav1.CreateOptions) error {
+		gvk := o.GroupVersionKind()
+		m, err := mapper.RESTMapping(gvk.GroupKind(), gvk.Version)
+		if err != nil {
+			return err
+		}
+		var c dynamic.ResourceInterface = dyn.Resource(m.Resource)
+		if o.GetNamespace() != "" {
+			c = dyn.Resource(m.Resource).Namespace(o.GetNamespace())
+		}
+		_, err = c.Create(context.Background(), o, opts)
+		return err
 	}
 }
 

@@ -32,7 +32,14 @@ type Server struct {
 	Config     *rest.Config
 	Client     kubernetes.Interface
 	Kubeconfig string // a kubeconfig file for processes under test
+	// AgentKubeconfig authenticates as the chart's service account,
+	// kube-system/nftcni, which can do only what RBAC objects the test
+	// creates allow.
+	AgentKubeconfig string
 }
+
+// AgentServiceAccount is who AgentKubeconfig authenticates as.
+const AgentServiceAccount = "system:serviceaccount:kube-system:nftcni"
 
 // Bins is the dir holding etcd and kube-apiserver.
 func Bins(t testing.TB) string {
@@ -103,7 +110,9 @@ func Start(t testing.TB) *Server {
 	saKey := write("sa.key", pem.EncodeToMemory(&pem.Block{Type: "RSA PRIVATE KEY", Bytes: x509.MarshalPKCS1PrivateKey(key)}))
 	saPub := write("sa.pub", pem.EncodeToMemory(&pem.Block{Type: "PUBLIC KEY", Bytes: pub}))
 	const token = "nftcni-test-token"
-	tokens := write("tokens.csv", []byte(token+",admin,admin-uid,system:masters\n"))
+	const agentToken = "nftcni-agent-token"
+	tokens := write("tokens.csv", []byte(token+",admin,admin-uid,system:masters\n"+
+		agentToken+","+AgentServiceAccount+`,agent-uid,"system:serviceaccounts,system:serviceaccounts:kube-system"`+"\n"))
 	certDir := filepath.Join(dir, "certs")
 	start(t, "kube-apiserver", filepath.Join(bins, "kube-apiserver"),
 		fmt.Sprintf("--etcd-servers=http://127.0.0.1:%d", etcdClient),
@@ -139,14 +148,18 @@ func Start(t testing.TB) *Server {
 		t.Fatal(err)
 	}
 	cfg := &rest.Config{Host: host, BearerToken: token, TLSClientConfig: rest.TLSClientConfig{CAData: ca}, QPS: 100, Burst: 200}
-	kc := clientcmdapi.NewConfig()
-	kc.Clusters["test"] = &clientcmdapi.Cluster{Server: host, CertificateAuthorityData: ca}
-	kc.AuthInfos["test"] = &clientcmdapi.AuthInfo{Token: token}
-	kc.Contexts["test"] = &clientcmdapi.Context{Cluster: "test", AuthInfo: "test"}
-	kc.CurrentContext = "test"
-	kubeconfig := filepath.Join(dir, "kubeconfig")
-	if err := clientcmd.WriteToFile(*kc, kubeconfig); err != nil {
-		t.Fatal(err)
+	kubeconfig := func(name, token string) string {
+		kc := clientcmdapi.NewConfig()
+		kc.Clusters["test"] = &clientcmdapi.Cluster{Server: host, CertificateAuthorityData: ca}
+		kc.AuthInfos["test"] = &clientcmdapi.AuthInfo{Token: token}
+		kc.Contexts["test"] = &clientcmdapi.Context{Cluster: "test", AuthInfo: "test"}
+		kc.CurrentContext = "test"
+		p := filepath.Join(dir, name)
+		if err := clientcmd.WriteToFile(*kc, p); err != nil {
+			t.Fatal(err)
+		}
+		return p
 	}
-	return &Server{Config: cfg, Client: kubernetes.NewForConfigOrDie(cfg), Kubeconfig: kubeconfig}
+	return &Server{Config: cfg, Client: kubernetes.NewForConfigOrDie(cfg),
+		Kubeconfig: kubeconfig("kubeconfig", token), AgentKubeconfig: kubeconfig("agent-kubeconfig", agentToken)}
 }

@@ -97,19 +97,28 @@ func reconcileAll(ctx context.Context, m *mesh.Mesh, store *mesh.MemStore) {
 	}
 }
 
+// enrolment is the running enrolment side: the mesh, the Kubernetes client
+// when pods come from Kubernetes (nil otherwise), and stop, which waits for
+// everything to finish.
+type enrolment struct {
+	mesh *mesh.Mesh
+	kube kubernetes.Interface
+	stop func()
+}
+
 // serveEvents starts the enrolment side of the agent, in the order that
 // keeps every enrolled pod captured across a restart: the pod source is
 // complete and the previous agent's pods are restored (rules verified)
 // before ztunnel may connect and get its snapshot, and before the plugin
-// is served. stop waits for everything to finish.
-func serveEvents(ctx context.Context, c *common, a *ambientFlags, policy *enablement.Policy, reg prometheus.Registerer, log *slog.Logger) (*mesh.Mesh, func(), error) {
+// is served.
+func serveEvents(ctx context.Context, c *common, a *ambientFlags, policy *enablement.Policy, reg prometheus.Registerer, log *slog.Logger) (*enrolment, error) {
 	src, err := a.source()
 	if err != nil {
-		return nil, nil, err
+		return nil, err
 	}
 	hostNetns, err := os.Open(a.hostNetns)
 	if err != nil {
-		return nil, nil, fmt.Errorf("--host-netns %s: %w (in a pod: mount the host's /proc and add CAP_SYS_PTRACE to open /host/proc/1/ns/net)", a.hostNetns, err)
+		return nil, fmt.Errorf("--host-netns %s: %w (in a pod: mount the host's /proc and add CAP_SYS_PTRACE to open /host/proc/1/ns/net)", a.hostNetns, err)
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	var waits []chan struct{}
@@ -127,12 +136,12 @@ func serveEvents(ctx context.Context, c *common, a *ambientFlags, policy *enable
 	}
 	var z *zds.Server
 	var zl *net.UnixListener
-	fail := func(err error) (*mesh.Mesh, func(), error) {
+	fail := func(err error) (*enrolment, error) {
 		stop()
 		if zl != nil {
 			zl.Close() // Serve may not have started to own it
 		}
-		return nil, nil, err
+		return nil, err
 	}
 
 	opts := mesh.Options{RunDir: c.runDir, Log: log, IPv6: a.ipv6, HostNetns: hostNetns,
@@ -180,14 +189,14 @@ func serveEvents(ctx context.Context, c *common, a *ambientFlags, policy *enable
 
 	// 1. The pod source, complete.
 	var kube *kubesrc.Source
+	var client kubernetes.Interface
 	switch src {
 	case "kubernetes":
 		cfg, err := a.restConfig()
 		if err != nil {
 			return fail(err)
 		}
-		client, err := kubernetes.NewForConfig(cfg)
-		if err != nil {
+		if client, err = kubernetes.NewForConfig(cfg); err != nil {
 			return fail(err)
 		}
 		kube = kubesrc.New(client, a.nodeName, reg, log, writePolicy)
@@ -249,5 +258,5 @@ func serveEvents(ctx context.Context, c *common, a *ambientFlags, policy *enable
 	srv := events.NewServer(m, log, events.NewMetrics(reg))
 	goWait(func() { _ = srv.Serve(ctx, l) })
 	log.Info("serving the plugin", "socket", sock, "policy-snapshot", filepath.Join(c.runDir, wire.PolicyName))
-	return m, stop, nil
+	return &enrolment{mesh: m, kube: client, stop: stop}, nil
 }

@@ -21,13 +21,16 @@ import (
 	"runtime/debug"
 	"strconv"
 	"syscall"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"k8s.io/client-go/kubernetes"
 
 	"github.com/nftcni/nftcni/agent/health"
 	"github.com/nftcni/nftcni/agent/install"
+	kubesrc "github.com/nftcni/nftcni/agent/kube"
 	"github.com/nftcni/nftcni/plugin/wire"
 	"github.com/nftcni/nftcni/templates"
 )
@@ -183,14 +186,15 @@ func uninstallCmd(args []string) error {
 
 // runFlags are run's own flags, beside the common ones.
 type runFlags struct {
-	healthAddr, monitoringPort, onExit string
-	a                                  ambientFlags
+	healthAddr, monitoringPort, onExit, daemonSet string
+	a                                             ambientFlags
 }
 
 func (r *runFlags) register(f *flagSet) {
 	f.str(&r.healthAddr, "health-addr", "HEALTH_ADDR", ":8000", "address for /healthz and /readyz")
 	f.str(&r.monitoringPort, "monitoring-port", "MONITORING_PORT", "15014", "port for Prometheus /metrics; 0 or less disables it")
-	f.str(&r.onExit, "on-exit", "ON_EXIT", "keep", "what to do with the installed plugin on shutdown: keep (restart or upgrade) | uninstall")
+	f.str(&r.onExit, "on-exit", "ON_EXIT", "auto", "what to do with the installed plugin on shutdown: auto (on Kubernetes: keep while the agent's DaemonSet still selects this node, an upgrade or restart; uninstall once it is gone; elsewhere: keep) | keep | uninstall")
+	f.str(&r.daemonSet, "daemonset-name", "DAEMONSET_NAME", "nftcni-node", "the agent's DaemonSet in POD_NAMESPACE, looked up by --on-exit auto")
 	r.a.register(f)
 }
 
@@ -201,8 +205,8 @@ func runCmd(ctx context.Context, args []string) error {
 		return err
 	}
 	healthAddr, monitoringPort, onExit, a := r.healthAddr, r.monitoringPort, r.onExit, &r.a
-	if onExit != "keep" && onExit != "uninstall" {
-		return fmt.Errorf("--on-exit %q: want keep or uninstall", onExit)
+	if onExit != "auto" && onExit != "keep" && onExit != "uninstall" {
+		return fmt.Errorf("--on-exit %q: want auto, keep or uninstall", onExit)
 	}
 	policy, err := a.policy(c.namespaces())
 	if err != nil {
@@ -241,26 +245,45 @@ func runCmd(ctx context.Context, args []string) error {
 
 	// The plugin's endpoint comes up before the plugin is installed, so the
 	// first pod after installation already finds the agent.
-	m, stopEvents, err := serveEvents(ctx, c, a, policy, reg, log)
+	e, err := serveEvents(ctx, c, a, policy, reg, log)
 	if err != nil {
 		return err
 	}
-	defer m.Close()
+	defer e.mesh.Close()
 	runErr := in.Run(ctx, install.DefaultLoopConfig(), metrics, state)
-	if onExit == "uninstall" {
+	uninstall := onExit == "uninstall"
+	if onExit == "auto" {
+		uninstall = r.decideExit(e.kube, c.podNamespace, log)
+	}
+	if uninstall {
 		log.Info("shutting down: uninstalling nftcni")
-		if err := m.RemoveHost(); err != nil {
+		if err := e.mesh.RemoveHost(); err != nil {
 			runErr = errors.Join(runErr, fmt.Errorf("removing the host probe table: %w", err))
 		}
 	}
-	stopEvents()
-	if onExit == "uninstall" {
+	e.stop()
+	if uninstall {
 		policyErr := os.Remove(filepath.Join(c.runDir, wire.PolicyName))
 		if errors.Is(policyErr, os.ErrNotExist) {
 			policyErr = nil
 		}
 		return errors.Join(runErr, in.Uninstall(), policyErr)
 	}
-	log.Info("shutting down: leaving the plugin and its config in place (--on-exit=keep)")
+	log.Info("shutting down: leaving the plugin and its config in place", "on-exit", onExit)
 	return runErr
+}
+
+// decideExit asks Kubernetes whether this stop is an upgrade or an
+// uninstall (--on-exit auto). The run context is over by now, so the
+// lookup has its own deadline, well inside the pod's grace period.
+func (r *runFlags) decideExit(client kubernetes.Interface, namespace string, log *slog.Logger) bool {
+	if client == nil {
+		log.Info("on exit: not on Kubernetes, keeping the plugin (--on-exit uninstall removes it)")
+		return false
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	d := kubesrc.DecideExit(ctx, client, namespace, r.daemonSet, r.a.nodeName, time.Second)
+	log.Info("on exit", "uninstall", d.Uninstall, "reason", d.Reason)
+	return d.Uninstall
 }
