@@ -4,6 +4,7 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -12,6 +13,27 @@ import (
 
 	"github.com/nftcni/nftcni/integration/kubetest"
 )
+
+// createManifest creates the objects of deploy/nftcni.yaml (the chart with
+// its defaults) whose kind is in kinds (nil: all) on api, and returns the
+// manifest.
+func createManifest(t testing.TB, api *kubetest.Server, kinds []string) []byte {
+	t.Helper()
+	manifest, err := os.ReadFile("../deploy/nftcni.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	create := creator(t, api)
+	for _, o := range objects(t, manifest) {
+		if kinds != nil && !slices.Contains(kinds, o.GetKind()) {
+			continue
+		}
+		if err := create(o, metav1.CreateOptions{}); err != nil {
+			t.Fatalf("creating %s %s: %v", o.GetKind(), o.GetName(), err)
+		}
+	}
+	return manifest
+}
 
 // TestAgentUnderChartRBACKeepsOnUpgradeAndUninstallsOnRemoval runs the agent
 // as the chart's service account with exactly the chart's RBAC (from
@@ -28,16 +50,8 @@ func TestAgentUnderChartRBACKeepsOnUpgradeAndUninstallsOnRemoval(t *testing.T) {
 	api := kubetest.Start(t)
 	ctx := context.Background()
 	cs := api.Client
-	manifest, err := os.ReadFile("../deploy/nftcni.yaml")
-	if err != nil {
-		t.Fatal(err)
-	}
 	create := creator(t, api)
-	for _, o := range objects(t, manifest) {
-		if err := create(o, metav1.CreateOptions{}); err != nil {
-			t.Fatalf("creating %s %s: %v", o.GetKind(), o.GetName(), err)
-		}
-	}
+	manifest := createManifest(t, api, nil)
 	linux := map[string]string{"kubernetes.io/os": "linux"}
 	if _, err := cs.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "node-a", Labels: linux}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)

@@ -64,7 +64,10 @@ func TestKubernetesEnrolment(t *testing.T) {
 
 	n := newAgentNode(t, 66, nil)
 	h := n.h
-	_, addr, _ := startAgent(t, h, "--kubeconfig", api.Kubeconfig, "--node-name", "node-a")
+	// As the chart's service account with the chart's RBAC: enough for
+	// everything below (informers, the pods/status patch).
+	createManifest(t, api, []string{"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"})
+	_, addr, _ := startAgent(t, h, "--kubeconfig", api.AgentKubeconfig, "--node-name", "node-a")
 	waitReady(t, addr)
 	z := ztunneltest.Connect(t, h.zsock)
 	if e := z.Wait(zds.KindKeep, string(ghost.UID), 5*time.Second); e.FDs != 0 {
