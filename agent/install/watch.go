@@ -130,13 +130,7 @@ func (in *Installer) Run(ctx context.Context, lc LoopConfig, m *Metrics, st *Sta
 	fight := fightDetector{threshold: lc.FightThreshold, window: lc.FightWindow}
 	var lastSkipped, lastErr string
 	for first := true; ; first = false {
-		// Arm first, then check: a change made between our check and the wait
-		// is then seen by the watch (re-check after arming).
-		w, dirs, err := in.arm()
-		if err != nil {
-			in.log.Error("cannot watch CNI dirs; retrying", "err", err)
-		}
-		res, perr := in.Install()
+		w, dirs, res, perr := in.armAndInstall()
 		if s := skippedText(res.Skipped); s != lastSkipped {
 			lastSkipped = s
 			for _, sk := range res.Skipped {
@@ -188,6 +182,28 @@ func (in *Installer) Run(ctx context.Context, lc LoopConfig, m *Metrics, st *Sta
 		if err := limiter.Wait(ctx); err != nil {
 			return nil
 		}
+	}
+}
+
+// armAndInstall arms a watcher, then runs a pass: a change made between the
+// pass and the wait is then seen by the watch (re-check after arming). When
+// the pass wrote, it arms and checks once more, so the events of our own
+// write do not wake the loop: only someone else's change does.
+func (in *Installer) armAndInstall() (*fsnotify.Watcher, []string, Result, error) {
+	var total Result
+	for attempt := 0; ; attempt++ {
+		w, dirs, err := in.arm()
+		if err != nil {
+			in.log.Error("cannot watch CNI dirs; retrying", "err", err)
+		}
+		res, perr := in.Install()
+		res.Wrote = append(total.Wrote, res.Wrote...)
+		res.Reverted = res.Reverted || total.Reverted
+		total = res
+		if perr != nil || len(res.Wrote) == 0 || attempt == 1 || w == nil {
+			return w, dirs, total, perr
+		}
+		w.Close()
 	}
 }
 
