@@ -24,9 +24,9 @@ type ExitDecision struct {
 // still selects this node, another agent is coming: everything stays, so new
 // pods wait for it instead of starting outside the mesh. When the DaemonSet
 // is gone, being deleted, no longer selects the node, or our credentials went
-// with the release (RBAC is deleted alongside the DaemonSet, often first),
-// nothing will serve the plugin again: the agent removes itself, so pods do
-// not fail on a plugin nobody answers.
+// with the release (Helm deletes the RBAC right after the DaemonSet, usually
+// before its pods have stopped), nothing will serve the plugin again: the
+// agent removes itself, so pods do not fail on a plugin nobody answers.
 //
 // When the API cannot say (unreachable after retries), the plugin stays:
 // a node that keeps a dormant entry is repaired by `nftcni-agent uninstall`,
