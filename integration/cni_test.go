@@ -42,11 +42,7 @@ import (
 // `make cni-plugins` builds from the Go module proxy.
 func referencePlugins(t testing.TB) string {
 	t.Helper()
-	dir := os.Getenv("NFTCNI_CNI_BIN")
-	if dir == "" {
-		home, _ := os.UserHomeDir()
-		dir = filepath.Join(home, ".cache/nftcni/cni-plugins-v1.10.0")
-	}
+	dir := testnet.Cached("NFTCNI_CNI_BIN", "cni-plugins-v1.10.0")
 	for _, p := range []string{"bridge", "loopback", "ptp", "host-local", "portmap"} {
 		if _, err := os.Stat(filepath.Join(dir, p)); err != nil {
 			t.Fatalf("reference CNI plugin %s not found in %s: run `make cni-plugins` (make test does) or set NFTCNI_CNI_BIN", p, dir)

@@ -21,6 +21,7 @@ import (
 	"k8s.io/client-go/restmapper"
 
 	"github.com/nftcni/nftcni/integration/kubetest"
+	"github.com/nftcni/nftcni/integration/testnet"
 )
 
 const chart = "../deploy/charts/nftcni"
@@ -28,11 +29,7 @@ const chart = "../deploy/charts/nftcni"
 // helm is the real helm, built from the module proxy by `make helm`.
 func helm(t testing.TB, args ...string) []byte {
 	t.Helper()
-	bin := os.Getenv("NFTCNI_HELM")
-	if bin == "" {
-		home, _ := os.UserHomeDir()
-		bin = filepath.Join(home, ".cache/nftcni/helm-v3.22.0/helm")
-	}
+	bin := testnet.Cached("NFTCNI_HELM", "helm-v3.22.0/helm")
 	if _, err := os.Stat(bin); err != nil {
 		t.Fatalf("helm not found at %s: run `make helm` (make test does) or set NFTCNI_HELM", bin)
 	}

@@ -32,6 +32,8 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
+
+	"github.com/nftcni/nftcni/integration/testnet"
 )
 
 // Generation is one containerd build: its binaries' dir and the config
@@ -46,7 +48,7 @@ type Generation struct {
 
 // Generations lists the containerd builds on this machine: Debian's 1.6
 // (apt, in PATH) and 2.x built from the module proxy into
-// $NFTCNI_CONTAINERD2_BIN (make containerd-bins). With NFTCNI_REQUIRE_CRI=1
+// $NFTCNI_CONTAINERD2_BIN or the Makefile's cache (make containerd-bins). With NFTCNI_REQUIRE_CRI=1
 // (make test) a missing one fails the test instead of skipping it, so CI
 // cannot pass by not running them.
 func Generations(t testing.TB) []Generation {
@@ -61,7 +63,7 @@ func Generations(t testing.TB) []Generation {
 	} else {
 		missing = append(missing, "containerd 1.6 (apt-get install containerd runc)")
 	}
-	if d := os.Getenv("NFTCNI_CONTAINERD2_BIN"); d != "" && exists(filepath.Join(d, "containerd")) {
+	if d := testnet.Cached("NFTCNI_CONTAINERD2_BIN", "containerd-v2.4.2"); exists(filepath.Join(d, "containerd")) {
 		gens = append(gens, Generation{Name: "containerd-2", Dir: d, V2: true})
 	} else {
 		missing = append(missing, "containerd 2.x (make containerd-bins, NFTCNI_CONTAINERD2_BIN)")

@@ -44,11 +44,7 @@ const AgentServiceAccount = "system:serviceaccount:kube-system:nftcni"
 // Bins is the dir holding etcd and kube-apiserver.
 func Bins(t testing.TB) string {
 	t.Helper()
-	dir := os.Getenv("NFTCNI_K8S_BIN")
-	if dir == "" {
-		home, _ := os.UserHomeDir()
-		dir = filepath.Join(home, ".cache/nftcni/k8s-v1.37.2")
-	}
+	dir := testnet.Cached("NFTCNI_K8S_BIN", "k8s-v1.37.2")
 	for _, b := range []string{"etcd", "kube-apiserver"} {
 		if _, err := os.Stat(filepath.Join(dir, b)); err != nil {
 			t.Fatalf("%s not found in %s: run `make k8s-bins` (make test does) or set NFTCNI_K8S_BIN", b, dir)

@@ -14,6 +14,7 @@ import (
 	"net/netip"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
@@ -76,6 +77,16 @@ func FreePort(t testing.TB) int {
 	}
 	defer l.Close()
 	return l.Addr().(*net.TCPAddr).Port
+}
+
+// Cached is where a tool the Makefile builds from the Go module proxy lives:
+// $env when set, else ~/.cache/nftcni/<rel> (the Makefile's default).
+func Cached(env, rel string) string {
+	if p := os.Getenv(env); p != "" {
+		return p
+	}
+	home, _ := os.UserHomeDir()
+	return filepath.Join(home, ".cache", "nftcni", rel)
 }
 
 // IP runs the ip command (tests only).
