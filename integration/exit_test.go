@@ -2,6 +2,7 @@ package integration
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -112,28 +113,30 @@ func TestAgentUnderChartRBACKeepsOnUpgradeAndUninstallsOnRemoval(t *testing.T) {
 		}
 	}
 
-	d := stop(nil)
-	if !strings.Contains(d, "uninstall=false") || !strings.Contains(d, "an upgrade or a restart") {
-		t.Errorf("upgrade: decision %s", d)
+	// expect stops an agent after change and checks its decision and its effect.
+	expect := func(what string, change func(), uninstall bool, reason string) {
+		t.Helper()
+		d := stop(change)
+		if !strings.Contains(d, fmt.Sprintf("uninstall=%v", uninstall)) || !strings.Contains(d, reason) {
+			t.Errorf("%s: decision %s, want uninstall=%v and %q", what, d, uninstall, reason)
+		}
+		if uninstall {
+			removed(what, d)
+		} else {
+			kept(what, d)
+		}
 	}
-	kept("upgrade", d)
 
-	d = stop(func() { setNodeOS("windows") })
-	if !strings.Contains(d, "uninstall=true") || !strings.Contains(d, "no longer selects node node-a") {
-		t.Errorf("node deselected: decision %s", d)
-	}
-	removed("node deselected", d)
+	expect("upgrade", nil, false, "an upgrade or a restart")
+
+	expect("node deselected", func() { setNodeOS("windows") }, true, "no longer selects node node-a")
 	setNodeOS("linux")
 
-	d = stop(func() {
+	expect("RBAC gone first", func() {
 		if err := cs.RbacV1().RoleBindings("kube-system").Delete(ctx, "nftcni", metav1.DeleteOptions{}); err != nil {
 			t.Fatal(err)
 		}
-	})
-	if !strings.Contains(d, "uninstall=true") || !strings.Contains(d, "credentials went with the release") {
-		t.Errorf("RBAC gone first: decision %s", d)
-	}
-	removed("RBAC gone first", d)
+	}, true, "credentials went with the release")
 	for _, o := range objects(t, manifest) {
 		if o.GetKind() == "RoleBinding" {
 			if err := create(o, metav1.CreateOptions{}); err != nil {
@@ -142,13 +145,9 @@ func TestAgentUnderChartRBACKeepsOnUpgradeAndUninstallsOnRemoval(t *testing.T) {
 		}
 	}
 
-	d = stop(func() {
+	expect("helm uninstall", func() {
 		if err := cs.AppsV1().DaemonSets("kube-system").Delete(ctx, "nftcni-node", metav1.DeleteOptions{}); err != nil {
 			t.Fatal(err)
 		}
-	})
-	if !strings.Contains(d, "uninstall=true") || !strings.Contains(d, "is gone") {
-		t.Errorf("helm uninstall: decision %s", d)
-	}
-	removed("helm uninstall", d)
+	}, true, "is gone")
 }
