@@ -213,8 +213,13 @@ func TestAgentRestartKeepsCapture(t *testing.T) {
 	_, _ = cmd.Process.Wait()
 	time.Sleep(200 * time.Millisecond) // no agent at all for a while
 
-	_, addr, _ := startAgent(t, n.h, "--pod-source", src)
+	_, addr, logs2 := startAgent(t, n.h, "--pod-source", src)
 	waitReady(t, addr)
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("restarted agent's log:\n%s", logs2)
+		}
+	})
 	z2 := ztunneltest.Connect(t, n.h.zsock)
 	if e := z2.Wait(zds.KindAdd, "uid-app", 5*time.Second); e.FDs != 1 {
 		t.Errorf("snapshot Add after restart carried %d fds", e.FDs)

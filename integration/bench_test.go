@@ -81,7 +81,7 @@ func BenchmarkCNIAdd(b *testing.B) {
 			_ = exec.Command("ip", "netns", "del", pod.Name).Run()
 		}
 	}
-	if got := len(n.mesh.Members()); got != 0 {
+	if got := len(n.enroller().Members()); got != 0 {
 		b.Fatalf("agent still holds %d pods", got)
 	}
 	q := reportQuantiles(b, order, samples)

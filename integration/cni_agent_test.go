@@ -13,7 +13,6 @@ import (
 
 	"github.com/containernetworking/cni/libcni"
 	"github.com/containernetworking/cni/pkg/types"
-	"github.com/prometheus/client_golang/prometheus/testutil"
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/nftcni/nftcni/agent/zds"
@@ -125,13 +124,14 @@ func TestCNIConcurrentAdds(t *testing.T) {
 			t.Errorf("pod %d: %v", i, err)
 		}
 	}
-	if got := len(n.mesh.Members()); got != pods {
+	if got := len(n.enroller().Members()); got != pods {
 		t.Errorf("agent enrolled %d pods, want %d", got, pods)
 	}
-	// Per pod, this process holds: the mesh's and the ZDS server's kept
-	// netns, and the test ztunnel's netns and three listeners.
-	if got := fdCount(t); got != fds+6*pods {
-		t.Errorf("descriptors after %d ADDs: %d, want %d (6 per pod)", pods, got, fds+6*pods)
+	// Per pod, this process holds: the agent's one netns descriptor (the
+	// ZDS server borrows it), and the test ztunnel's netns and three
+	// listeners.
+	if got := fdCount(t); got != fds+5*pods {
+		t.Errorf("descriptors after %d ADDs: %d, want %d (5 per pod)", pods, got, fds+5*pods)
 	}
 	if got := len(n.ztunnel.UIDs()); got != pods {
 		t.Errorf("ztunnel holds %d pods, want %d", got, pods)
@@ -151,7 +151,7 @@ func TestCNIConcurrentAdds(t *testing.T) {
 	if got := runtime.NumGoroutine(); got > goroutines {
 		t.Errorf("goroutines after DELs: %d, before ADDs: %d", got, goroutines)
 	}
-	if got := testutil.ToFloat64(n.metrics.Requests.WithLabelValues("add", "success")); got != pods {
+	if got := n.metric("istio_cni_plugin_requests_total", "type", "add", "result", "success"); got != pods {
 		t.Errorf("add requests counted: %v", got)
 	}
 }
@@ -181,7 +181,7 @@ func TestCNISidecarFromRuntimeAnnotations(t *testing.T) {
 		t.Errorf("sidecar ruleset: %v", err)
 	}
 	for _, res := range []string{"success", "failure"} {
-		if got := testutil.ToFloat64(n.metrics.Requests.WithLabelValues("add", res)); got != 0 {
+		if got := n.metric("istio_cni_plugin_requests_total", "type", "add", "result", res); got != 0 {
 			t.Errorf("the agent saw %v add requests (%s)", got, res)
 		}
 	}
@@ -232,7 +232,7 @@ func TestCNISidecarFromAgent(t *testing.T) {
 	if err := nft.Verify(pod.FD, nft.Sidecar(spec)); err != nil {
 		t.Errorf("sidecar ruleset from the agent: %v", err)
 	}
-	if got := n.mesh.Members(); len(got) != 1 || got[0].Mode != wire.ModeSidecar {
+	if got := n.enroller().Members(); len(got) != 1 || got[0].Mode != wire.ModeSidecar {
 		t.Errorf("members %+v", got)
 	}
 	if err := n.del(full, rt); err != nil {
@@ -279,7 +279,7 @@ func TestCNIStatusAndGC(t *testing.T) {
 	if _, err := n.execNftcni("ADD", "1.1.0", prev, grt); err != nil {
 		t.Fatal(err)
 	}
-	if got := len(n.mesh.Members()); got != 2 {
+	if got := len(n.enroller().Members()); got != 2 {
 		t.Fatalf("members before GC: %d", got)
 	}
 	err = n.inNode(func() error {
@@ -289,7 +289,7 @@ func TestCNIStatusAndGC(t *testing.T) {
 	if err != nil {
 		t.Fatalf("GC: %v", err)
 	}
-	if got := n.mesh.Members(); len(got) != 1 || got[0].Pod.Name != "kept" {
+	if got := n.enroller().Members(); len(got) != 1 || got[0].Pod.Name != "kept" {
 		t.Errorf("members after GC: %+v, want only kept", got)
 	}
 }
@@ -306,7 +306,7 @@ func TestLateEnrolmentFindsThePodThroughProc(t *testing.T) {
 	pod := n.pod(meshNS, "old", nil)
 	pod.UID = uid
 	pod.Status.PodIPs = []corev1.PodIP{{IP: p.PodIP4.String()}}
-	if err := n.mesh.Reconcile(context.Background(), meshNS, "old"); err != nil {
+	if err := n.enroller().Reconcile(context.Background(), meshNS, "old"); err != nil {
 		t.Fatal(err)
 	}
 	if e := n.ztunnel.Wait(zds.KindAdd, uid, 3*time.Second); e.FDs != 1 {
@@ -341,7 +341,7 @@ func TestCNIZtunnelRefusalFailsTheAdd(t *testing.T) {
 	if hasTable(t, pod) {
 		t.Error("rules left in the pod of a failed enrolment")
 	}
-	if m := n.mesh.Members(); len(m) != 0 {
+	if m := n.enroller().Members(); len(m) != 0 {
 		t.Errorf("agent holds %d pods after the failed ADD", len(m))
 	}
 	if err := n.del(full, rt); err != nil {

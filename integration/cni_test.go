@@ -21,14 +21,15 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 	current "github.com/containernetworking/cni/pkg/types/100"
 	"github.com/containernetworking/plugins/pkg/ns"
+	"github.com/prometheus/client_golang/prometheus"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	k8stypes "k8s.io/apimachinery/pkg/types"
 
 	"github.com/nftcni/nftcni/agent/enablement"
-	"github.com/nftcni/nftcni/agent/events"
-	"github.com/nftcni/nftcni/agent/mesh"
-	"github.com/nftcni/nftcni/agent/procscan"
+	"github.com/nftcni/nftcni/agent/enrol"
+	"github.com/nftcni/nftcni/agent/node"
+	"github.com/nftcni/nftcni/agent/podsource"
 	"github.com/nftcni/nftcni/agent/zds"
 	"github.com/nftcni/nftcni/conflist"
 	"github.com/nftcni/nftcni/integration/testnet"
@@ -70,24 +71,26 @@ func (s *syncBuffer) String() string {
 }
 
 // cniNode is a throw-away node: its own netns (the primary CNI's bridge
-// lives there), run/data/cache dirs, and an in-process agent (event server
-// over a mesh with an in-memory pod store) that tests start and stop.
+// lives there, and it stands in for the host netns, where the probe SNAT
+// table goes), run/data/cache dirs, and the agent's enrolment side started
+// in-process the way the agent binary starts it (package node), with pods
+// from an in-memory store the test fills. Tests start and stop the agent;
+// a test ztunnel connects each time it starts.
 type cniNode struct {
-	t       testing.TB
-	node    *testnet.NS
-	subnet  int
-	run     string
-	data    string
-	cni     *libcni.CNIConfig
-	store   *mesh.MemStore
-	mesh    *mesh.Mesh
-	metrics *events.Metrics
-	log     *syncBuffer
-	stop    func()
-	// zds is the agent's ZDS server on zsock; ztunnel is the test ztunnel
-	// startAgent connects to it.
-	zds     *zds.Server
-	zsock   string
+	t      testing.TB
+	node   *testnet.NS
+	subnet int
+	run    string
+	data   string
+	cni    *libcni.CNIConfig
+	store  *podsource.Store
+	policy *enablement.Policy
+	log    *syncBuffer
+	zsock  string
+	// agent is the running enrolment side (nil when stopped), reg its
+	// metrics, ztunnel the test ztunnel connected to it.
+	agent   *node.Node
+	reg     *prometheus.Registry
 	ztunnel *ztunneltest.Ztunnel
 }
 
@@ -100,81 +103,64 @@ func newCNINode(t testing.TB, subnet int) *cniNode {
 	testnet.RequireRoot(t)
 	root := t.TempDir()
 	n := &cniNode{t: t, node: testnet.NewNS(t, "nftnode"), subnet: subnet,
-		run: filepath.Join(root, "run"), data: filepath.Join(root, "ipam"), log: &syncBuffer{}}
+		run: filepath.Join(root, "run"), data: filepath.Join(root, "ipam"), log: &syncBuffer{},
+		zsock: filepath.Join(root, "ztunnel", "ztunnel.sock")}
 	n.cni = libcni.NewCNIConfigWithCacheDir([]string{referencePlugins(t), binDir}, filepath.Join(root, "cache"), nil)
-	n.store = mesh.NewMemStore()
+	n.store = podsource.NewStore()
 	n.store.PutNamespace(&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: meshNS,
 		Labels: map[string]string{enablement.LabelDataplaneMode: enablement.DataplaneAmbient}}})
 	n.store.PutNamespace(&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: plainNS}})
-	pol, err := enablement.Compile(enablement.DefaultConfig())
-	if err != nil {
+	var err error
+	if n.policy, err = enablement.Compile(enablement.DefaultConfig()); err != nil {
 		t.Fatal(err)
 	}
-	logger := slog.New(slog.NewTextHandler(n.log, nil))
-	// ZDS towards ztunnel, and the node netns standing in for the host
-	// netns, where the probe SNAT table goes.
-	n.zsock = filepath.Join(root, "ztunnel", "ztunnel.sock")
-	l, err := zds.Listen(n.zsock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	n.zds = zds.NewServer(logger, nil)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { _ = n.zds.Serve(ctx, l); close(done) }()
-	t.Cleanup(func() { cancel(); <-done })
-	hostNetns, err := os.Open(n.node.Path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { hostNetns.Close() })
-	n.mesh = mesh.New(pol, n.store, mesh.Options{RunDir: n.run, Log: logger, Ztunnel: n.zds, HostNetns: hostNetns, IPv6: true,
-		Finder: &procscan.Scanner{Proc: "/proc", Host: hostNetns}})
-	n.mesh.LookupRetries = 2
-	t.Cleanup(n.mesh.Close)
 	return n
 }
 
 // probeSet lists the host probe set's v4 elements in the node netns.
 func (n *cniNode) probeSet(t *testing.T) string { return probeSet(t, n.node) }
 
-// startAgent serves the plugin socket until stopAgent or the test's end,
-// with the host probe table in place and a test ztunnel connected.
+// enroller is the running agent's enrolment state machine.
+func (n *cniNode) enroller() *enrol.Enroller { return n.agent.Enroller }
+
+// startAgent starts the agent's enrolment side until stopAgent or the
+// test's end, and connects a test ztunnel, which has had its snapshot
+// when startAgent returns. Verification passes are left to the test.
 func (n *cniNode) startAgent() {
 	t := n.t
-	if err := n.mesh.WritePolicy(); err != nil {
-		t.Fatal(err)
+	n.reg = prometheus.NewRegistry()
+	a, err := node.Start(context.Background(), node.Config{RunDir: n.run, HostNetns: n.node.Path, ZtunnelSocket: n.zsock,
+		IPv6: true, Policy: n.policy, Store: n.store, LookupRetries: 2, Registry: n.reg,
+		Log: slog.New(slog.NewTextHandler(n.log, nil))})
+	if err != nil {
+		t.Fatalf("starting the agent: %v\n%s", err, n.log)
 	}
-	if _, err := n.mesh.EnsureHost(); err != nil {
-		t.Fatal(err)
-	}
-	if n.ztunnel == nil {
-		n.ztunnel = ztunneltest.Connect(t, n.zsock)
-		n.ztunnel.Wait(zds.KindSnapshotSent, "", 3*time.Second)
-		for deadline := time.Now().Add(3 * time.Second); !n.zds.Connected(); time.Sleep(5 * time.Millisecond) {
-			if time.Now().After(deadline) {
-				t.Fatal("test ztunnel never registered")
-			}
+	n.agent = a
+	t.Cleanup(n.stopAgent)
+	n.ztunnel = ztunneltest.Connect(t, n.zsock)
+	n.ztunnel.Wait(zds.KindSnapshotSent, "", 3*time.Second)
+	for deadline := time.Now().Add(3 * time.Second); !a.ZDS.Connected(); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("test ztunnel never registered")
 		}
 	}
-	l, err := events.Listen(filepath.Join(n.run, wire.SocketName))
-	if err != nil {
-		t.Fatal(err)
-	}
-	n.metrics = events.NewMetrics(nil)
-	srv := events.NewServer(n.mesh, slog.New(slog.NewTextHandler(n.log, nil)), n.metrics)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { _ = srv.Serve(ctx, l); close(done) }()
-	n.stop = func() { cancel(); <-done }
-	t.Cleanup(n.stopAgent)
 }
 
 func (n *cniNode) stopAgent() {
-	if n.stop != nil {
-		n.stop()
-		n.stop = nil
+	if n.agent != nil {
+		n.agent.Stop()
+		n.agent = nil
 	}
+	if n.ztunnel != nil {
+		n.ztunnel.Close()
+		n.ztunnel = nil
+	}
+}
+
+// metric reads a counter or gauge of the running agent by name and labels.
+func (n *cniNode) metric(name string, labels ...string) float64 {
+	n.t.Helper()
+	return gathered(n.t, n.reg, name, labels...)
 }
 
 // pod registers a pod in the agent's store.
@@ -368,7 +354,7 @@ func testChain(t *testing.T, subnet int, shape, version string) {
 	if !hasTable(t, enrolled) {
 		t.Fatalf("no table inet %s in the enrolled pod", nft.PodTable)
 	}
-	if got := n.mesh.Members(); len(got) != 1 || got[0].Pod.Name != "app" || got[0].Mode != wire.ModeAmbient {
+	if got := n.enroller().Members(); len(got) != 1 || got[0].Pod.Name != "app" || got[0].Mode != wire.ModeAmbient {
 		t.Errorf("agent members = %+v, want app/ambient", got)
 	}
 	if !strings.Contains(n.log.String(), "source=plugin") {
@@ -422,8 +408,8 @@ func testChain(t *testing.T, subnet int, shape, version string) {
 	if hasTable(t, enrolled) {
 		t.Error("table still there after DEL")
 	}
-	if len(n.mesh.Members()) != 0 {
-		t.Errorf("agent still holds %v after DEL", n.mesh.Members())
+	if len(n.enroller().Members()) != 0 {
+		t.Errorf("agent still holds %v after DEL", n.enroller().Members())
 	}
 	n.ztunnel.Wait(zds.KindDel, "uid-app", 2*time.Second)
 	if set := n.probeSet(t); strings.Contains(set, podIP.String()) {

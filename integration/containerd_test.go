@@ -16,7 +16,7 @@ import (
 	"github.com/tidwall/gjson"
 	"golang.org/x/sys/unix"
 
-	"github.com/nftcni/nftcni/agent/mesh"
+	"github.com/nftcni/nftcni/agent/records"
 	"github.com/nftcni/nftcni/agent/zds"
 	"github.com/nftcni/nftcni/integration/containerdtest"
 	"github.com/nftcni/nftcni/integration/testnet"
@@ -284,7 +284,7 @@ func testCRIPods(t *testing.T, gen containerdtest.Generation, subnet int) {
 		}
 	}
 	n.z.Wait(zds.KindDel, "uid-app", 5*time.Second)
-	if recs, _ := os.ReadDir(filepath.Join(n.h.run, mesh.StateDir)); len(recs) != 0 {
+	if recs, _ := os.ReadDir(filepath.Join(n.h.run, records.DirName)); len(recs) != 0 {
 		t.Errorf("agent records left after removal: %v", recs)
 	}
 	if set := probeSet(t, n.h.netns); strings.Contains(set, app.IP) {

@@ -156,10 +156,7 @@ func TestAgentKilledDuringAdds(t *testing.T) {
 				t.Errorf("round %d: enrolled pod %s: %v", r, pr.pod.Name, err)
 			}
 		}
-		members, err := nft.ProbeMembers(hostFD)
-		if err != nil {
-			t.Fatal(err)
-		}
+		members := probeMembers(t, hostFD)
 		var inSet []string
 		for _, m := range members {
 			inSet = append(inSet, m.UID)

@@ -1,13 +1,11 @@
 package nft
 
 import (
-	"errors"
 	"fmt"
 	"slices"
 
 	"github.com/google/nftables"
 	"github.com/google/nftables/userdata"
-	"golang.org/x/sys/unix"
 )
 
 // ruleCommentType is libnftnl's NFTNL_UDATA_RULE_COMMENT, the TLV nft reads
@@ -41,6 +39,17 @@ func ourTables(c *nftables.Conn, names []string) (map[string]bool, error) {
 	return have, nil
 }
 
+// HasTable says whether the netns behind fd holds inet table name.
+func HasTable(fd int, name string) (bool, error) {
+	c, err := conn(fd)
+	if err != nil {
+		return false, err
+	}
+	defer c.CloseLasting()
+	have, err := ourTables(c, []string{name})
+	return have[name], err
+}
+
 func (rs *Ruleset) names() []string {
 	var n []string
 	for _, t := range rs.Tables {
@@ -49,41 +58,26 @@ func (rs *Ruleset) names() []string {
 	return n
 }
 
-// Apply programs rs into the netns behind fd (0 = own netns) in one batch:
-// a table that does not exist yet is only added (the cheap path into a fresh
-// pod netns); one that exists is deleted and re-added in the same batch, an
-// atomic replace. Policy routes follow the batch. Other tables are never
-// touched.
+// Apply programs rs into the netns behind fd (0 = own netns) in one
+// transaction: into a netns without our tables it only adds (the cheap
+// path); over existing ones it deletes and re-adds them in the same
+// transaction, an atomic replace. Policy routes follow. Other tables are
+// never touched. It is Program of rs's Batch: callers that apply one
+// ruleset many times encode it once.
 func Apply(fd int, rs *Ruleset) error {
-	c, err := conn(fd)
+	b, err := Encode(rs)
 	if err != nil {
 		return err
 	}
-	defer c.CloseLasting()
-	have, err := ourTables(c, rs.names())
-	if err != nil {
-		return err
-	}
-	if err := stage(c, rs, have); err != nil {
-		return err
-	}
-	if err := c.Flush(); err != nil {
-		return fmt.Errorf("programming tables %v: %w", rs.names(), err)
-	}
-	return applyRoutes(fd, rs.Routes)
+	return Program(fd, b)
 }
 
-// stage queues on c the batch that makes rs's tables exist: add-only for a
-// table not in have, delete-and-add (an atomic replace) for one that is.
-func stage(c *nftables.Conn, rs *Ruleset, have map[string]bool) error {
+// stage queues on c the messages that make rs's tables exist; Encode makes
+// the table creation exclusive.
+func stage(c *nftables.Conn, rs *Ruleset) error {
 	var setID uint32
 	for _, t := range rs.Tables {
-		nt := &nftables.Table{Name: t.Name, Family: nftables.TableFamilyINet}
-		if have[t.Name] {
-			c.AddTable(nt)
-			c.DelTable(nt)
-		}
-		c.AddTable(nt)
+		nt := c.AddTable(&nftables.Table{Name: t.Name, Family: nftables.TableFamilyINet})
 		for _, s := range t.Sets {
 			setID++ // per batch, so concurrent applies share no counter
 			if err := c.AddSet(nftSet(nt, s, setID), elements(s)); err != nil {
@@ -106,32 +100,11 @@ func stage(c *nftables.Conn, rs *Ruleset, have map[string]bool) error {
 // Delete removes the named tables and the policy routes of rs; anything
 // already gone (table, routes, even the netns) is not an error.
 func Delete(fd int, rs *Ruleset) error {
-	c, err := conn(fd)
+	r, err := EncodeRemoval(rs)
 	if err != nil {
 		return err
 	}
-	defer c.CloseLasting()
-	for attempt := 0; ; attempt++ {
-		have, err := ourTables(c, rs.names())
-		if err != nil {
-			return err
-		}
-		if len(have) == 0 {
-			break
-		}
-		for name := range have {
-			c.DelTable(&nftables.Table{Name: name, Family: nftables.TableFamilyINet})
-		}
-		err = c.Flush()
-		if err == nil || attempt > 0 || !errors.Is(err, unix.ENOENT) {
-			if err != nil {
-				return fmt.Errorf("deleting tables %v: %w", rs.names(), err)
-			}
-			break
-		}
-		// Someone deleted a table between our list and our delete: list again.
-	}
-	return deleteRoutes(fd, rs.Routes)
+	return Remove(fd, r)
 }
 
 func nftSet(t *nftables.Table, s *Set, id uint32) *nftables.Set {

@@ -182,7 +182,7 @@ func capturedBatch(tb testing.TB, rs *Ruleset) []netlink.Message {
 		return nil, nil
 	}))
 	if err == nil {
-		err = stage(c, rs, nil)
+		err = stage(c, rs)
 	}
 	if err == nil {
 		err = c.Flush()

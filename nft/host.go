@@ -5,6 +5,7 @@ import (
 	"net/netip"
 	"slices"
 	"strings"
+	"sync"
 
 	"github.com/google/nftables"
 )
@@ -63,6 +64,26 @@ func HostProbe(ipv6 bool, members []Member) *Ruleset {
 	return &Ruleset{Tables: []*Table{t}}
 }
 
+// ProbeSet reads and changes the elements of the host probe sets over
+// one lasting netlink connection in the host netns: the agent keeps it for
+// its lifetime, so a pod's element change is one send.
+type ProbeSet struct {
+	mu sync.Mutex // a google/nftables Conn queues messages: one batch at a time
+	c  *nftables.Conn
+}
+
+// OpenProbeSet connects to nf_tables in the netns behind fd (0: own).
+func OpenProbeSet(fd int) (*ProbeSet, error) {
+	c, err := conn(fd)
+	if err != nil {
+		return nil, err
+	}
+	return &ProbeSet{c: c}, nil
+}
+
+// Close closes the connection.
+func (p *ProbeSet) Close() error { return p.c.CloseLasting() }
+
 func probeSet(ip netip.Addr) *nftables.Set {
 	s := &nftables.Set{Table: &nftables.Table{Name: HostTable, Family: nftables.TableFamilyINet}, Name: probeSetV4, KeyType: nftables.TypeIPAddr}
 	if !ip.Is4() {
@@ -71,122 +92,67 @@ func probeSet(ip netip.Addr) *nftables.Set {
 	return s
 }
 
-// AddProbeIPs puts one pod's IPs into the host probe sets in one batch,
-// touching no other element. An IP still held under another UID (reused
-// after a pod died without cleanup) is taken over by this pod.
-func AddProbeIPs(fd int, uid string, ips []netip.Addr) error {
-	return changeProbeIPs(fd, ips, func(c *nftables.Conn, s *nftables.Set, key []byte, owner string, present bool) (bool, error) {
-		if present && owner == uid {
-			return false, nil
-		}
-		if present {
-			if err := c.SetDeleteElements(s, []nftables.SetElement{{Key: key}}); err != nil {
-				return false, err
-			}
-		}
-		return true, c.SetAddElements(s, []nftables.SetElement{{Key: key, Comment: uid}})
-	}, "adding pod "+uid+" IPs to")
-}
-
-// RemoveProbeIPs removes one pod's IPs, but only elements whose comment is
-// this pod's UID: an IP reused by another pod stays enrolled (Istio's rule).
-func RemoveProbeIPs(fd int, uid string, ips []netip.Addr) error {
-	return changeProbeIPs(fd, ips, func(c *nftables.Conn, s *nftables.Set, key []byte, owner string, present bool) (bool, error) {
-		if !present || owner != uid {
-			return false, nil
-		}
-		return true, c.SetDeleteElements(s, []nftables.SetElement{{Key: key}})
-	}, "removing pod "+uid+" IPs from")
-}
-
-// changeProbeIPs reads the probe sets once, lets change queue element
-// updates for each IP (given its current owner UID), and sends them as one
-// batch. IPv6 addresses are skipped on a node without the v6 set.
-func changeProbeIPs(fd int, ips []netip.Addr, change func(c *nftables.Conn, s *nftables.Set, key []byte, owner string, present bool) (bool, error), what string) error {
-	c, err := conn(fd)
-	if err != nil {
-		return err
-	}
-	defer c.CloseLasting()
-	owners, err := probeOwners(c)
-	if err != nil {
-		return err
-	}
-	queued := false
-	for _, ip := range ips {
-		ip = ip.Unmap()
-		s := probeSet(ip)
-		setOwners, ok := owners[s.Name]
-		if !ok {
-			continue // IPv6 is off on this node: no v6 set, nothing to probe
-		}
-		owner, present := setOwners[ip]
-		q, err := change(c, s, ip.AsSlice(), owner, present)
-		if err != nil {
-			return err
-		}
-		queued = queued || q
-	}
-	if !queued {
+// Update deletes dels, then adds adds (each element's comment is its
+// owner's UID), in one transaction. A delete of an absent element fails
+// the whole transaction: callers delete what they know is there.
+func (p *ProbeSet) Update(dels []netip.Addr, adds []Element) error {
+	if len(dels) == 0 && len(adds) == 0 {
 		return nil
 	}
-	if err := c.Flush(); err != nil {
-		return fmt.Errorf("%s the host probe set (%v): %w", what, ips, err)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, ip := range dels {
+		if err := p.c.SetDeleteElements(probeSet(ip.Unmap()), []nftables.SetElement{{Key: ip.Unmap().AsSlice()}}); err != nil {
+			return err
+		}
+	}
+	for _, e := range adds {
+		if err := p.c.SetAddElements(probeSet(e.Addr.Unmap()), []nftables.SetElement{{Key: e.Addr.Unmap().AsSlice(), Comment: e.Comment}}); err != nil {
+			return err
+		}
+	}
+	if err := p.c.Flush(); err != nil {
+		return fmt.Errorf("updating the host probe set: %w", err)
 	}
 	return nil
 }
 
-// probeOwners reads every existing probe set once: set name -> IP -> UID.
-// The host table and its v4 set must exist.
-func probeOwners(c *nftables.Conn) (map[string]map[netip.Addr]string, error) {
-	t := &nftables.Table{Name: HostTable, Family: nftables.TableFamilyINet}
-	sets, err := c.GetSets(t)
-	if err != nil {
-		return nil, fmt.Errorf("listing sets of table inet %s: %w (is the host table in place?)", HostTable, err)
+// Elements reads the probe sets: each IP and the UID in its comment. ok is
+// false when the host table or its IPv4 set is missing.
+func (p *ProbeSet) Elements() (owners map[netip.Addr]string, ok bool, err error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if have, err := ourTables(p.c, []string{HostTable}); err != nil || !have[HostTable] {
+		return nil, false, err
 	}
-	out := map[string]map[netip.Addr]string{}
+	sets, err := p.c.GetSets(&nftables.Table{Name: HostTable, Family: nftables.TableFamilyINet})
+	if err != nil {
+		return nil, false, fmt.Errorf("listing sets of table inet %s: %w", HostTable, err)
+	}
+	owners = map[netip.Addr]string{}
 	for _, s := range sets {
 		if s.Name != probeSetV4 && s.Name != probeSetV6 {
 			continue
 		}
-		els, err := c.GetSetElements(s)
+		ok = ok || s.Name == probeSetV4
+		els, err := p.c.GetSetElements(s)
 		if err != nil {
-			return nil, fmt.Errorf("reading host probe set %s: %w", s.Name, err)
+			return nil, false, fmt.Errorf("reading host probe set %s: %w", s.Name, err)
 		}
-		m := map[netip.Addr]string{}
 		for _, e := range els {
-			if a, ok := netip.AddrFromSlice(e.Key); ok {
-				m[a] = e.Comment
+			if a, valid := netip.AddrFromSlice(e.Key); valid {
+				owners[a.Unmap()] = e.Comment
 			}
 		}
-		out[s.Name] = m
 	}
-	if _, ok := out[probeSetV4]; !ok {
-		return nil, fmt.Errorf("table inet %s has no set %s (is the host table in place?)", HostTable, probeSetV4)
-	}
-	return out, nil
+	return owners, ok, nil
 }
 
-// ProbeMembers reads the host probe sets back as members (UID -> IPs);
-// none when the host table is absent.
-func ProbeMembers(fd int) ([]Member, error) {
-	c, err := conn(fd)
-	if err != nil {
-		return nil, err
-	}
-	defer c.CloseLasting()
-	if have, err := ourTables(c, []string{HostTable}); err != nil || !have[HostTable] {
-		return nil, err
-	}
-	owners, err := probeOwners(c)
-	if err != nil {
-		return nil, nil // a table without our sets is drift: nothing to keep
-	}
+// Members groups probe set elements by owner UID, sorted.
+func Members(owners map[netip.Addr]string) []Member {
 	byUID := map[string][]netip.Addr{}
-	for _, set := range []string{probeSetV4, probeSetV6} {
-		for ip, uid := range owners[set] {
-			byUID[uid] = append(byUID[uid], ip)
-		}
+	for ip, uid := range owners {
+		byUID[uid] = append(byUID[uid], ip)
 	}
 	out := make([]Member, 0, len(byUID))
 	for uid, ips := range byUID {
@@ -194,5 +160,5 @@ func ProbeMembers(fd int) ([]Member, error) {
 		out = append(out, Member{UID: uid, IPs: ips})
 	}
 	slices.SortFunc(out, func(a, b Member) int { return strings.Compare(a.UID, b.UID) })
-	return out, nil
+	return out
 }

@@ -23,8 +23,9 @@
 package nft
 
 import (
-	"crypto/sha256"
+	"encoding/binary"
 	"encoding/hex"
+	"hash/fnv"
 	"net/netip"
 	"strings"
 
@@ -97,9 +98,16 @@ func (r Rule) Text() string {
 	return strings.Join(parts, " ")
 }
 
-// Tag is the comment stored with the rule: a short hash of its text.
+// Tag is the comment stored with the rule: a short hash of its text, so
+// Verify can tell our rules apart without decoding them. The hash only has
+// to tell the rules of one chain apart, not resist anyone: FNV-1a, whose
+// package needs no init (crypto/sha256's FIPS packages cost the plugin's
+// every exec a few page faults; rules tagged by older versions with a
+// SHA-256 prefix are seen as drift once and replaced atomically).
 func (r Rule) Tag() string {
-	sum := sha256.Sum256([]byte(r.Text()))
+	h := fnv.New64a()
+	h.Write([]byte(r.Text()))
+	sum := binary.BigEndian.AppendUint64(nil, h.Sum64())
 	return TagPrefix + hex.EncodeToString(sum[:6])
 }
 

@@ -102,15 +102,20 @@ func TestApplyMatchesGoldenInNetns(t *testing.T) {
 func TestVerifyDetectsDriftAndApplyRepairs(t *testing.T) {
 	testnet.RequireRoot(t)
 	rs := Ambient(AmbientSpec{DNSCapture: true, IPv6: true})
-	for name, mess := range map[string][]string{
-		"flushed chain":  {"flush", "chain", "inet", PodTable, natOut},
-		"extra rule":     {"add", "rule", "inet", PodTable, natPre, "tcp", "dport", "22", "accept"},
-		"deleted table":  {"delete", "table", "inet", PodTable},
-		"foreign chain":  {"add", "chain", "inet", PodTable, "intruder"},
-		"flushed table":  {"flush", "table", "inet", PodTable},
-		"whole ruleset":  {"flush", "ruleset"},
-		"inserted first": {"insert", "rule", "inet", PodTable, mangleOut, "accept"},
+	// Each mess is reported by name: the chain and the rule that differs.
+	for name, c := range map[string]struct {
+		mess []string
+		says []string
+	}{
+		"flushed chain":  {[]string{"flush", "chain", "inet", PodTable, natOut}, []string{"chain nftcni nat-output is empty but should hold 10 rules, the first: meta l4proto tcp ip daddr 169.254.7.127 counter accept"}},
+		"extra rule":     {[]string{"add", "rule", "inet", PodTable, natPre, "tcp", "dport", "22", "accept"}, []string{"chain nftcni nat-prerouting: rule 5 is not nftcni's (no nftcni comment): meta(16) cmp(0,06) payload(2,2,2) cmp(0,0016) verdict(1,)"}},
+		"deleted table":  {[]string{"delete", "table", "inet", PodTable}, []string{"table inet nftcni is missing"}},
+		"foreign chain":  {[]string{"add", "chain", "inet", PodTable, "intruder"}, []string{"chain nftcni intruder is not ours"}},
+		"flushed table":  {[]string{"flush", "table", "inet", PodTable}, []string{"chain nftcni mangle-output is empty but should hold 1 rules, the first: ct mark & 0x00000fff == 0x00000111 counter meta mark set ct mark"}},
+		"whole ruleset":  {[]string{"flush", "ruleset"}, []string{"table inet nftcni is missing"}},
+		"inserted first": {[]string{"insert", "rule", "inet", PodTable, mangleOut, "accept"}, []string{"chain nftcni mangle-output: rule 1 is not nftcni's (no nftcni comment): verdict(1,)"}},
 	} {
+		mess := c.mess
 		t.Run(name, func(t *testing.T) {
 			n := testnet.NewNS(t, "nftdrift")
 			if err := Apply(n.FD, rs); err != nil {
@@ -118,8 +123,14 @@ func TestVerifyDetectsDriftAndApplyRepairs(t *testing.T) {
 			}
 			nftRun(t, n, mess...)
 			var d *DriftError
-			if err := Verify(n.FD, rs); !errors.As(err, &d) {
+			err := Verify(n.FD, rs)
+			if !errors.As(err, &d) {
 				t.Fatalf("drift not detected: %v", err)
+			}
+			for _, want := range c.says {
+				if !strings.Contains(err.Error(), want) {
+					t.Errorf("drift message does not say %q:\n%v", want, err)
+				}
 			}
 			if name == "extra rule" {
 				if live, err := Live(n.FD, PodTable, rs); err != nil || !strings.Contains(live, "# not a rule nftcni wrote") {

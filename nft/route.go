@@ -1,22 +1,12 @@
 package nft
 
 import (
-	"errors"
+	"encoding/binary"
 	"fmt"
-	"net"
 
-	"github.com/vishvananda/netlink"
-	"github.com/vishvananda/netns"
+	"github.com/mdlayher/netlink"
 	"golang.org/x/sys/unix"
 )
-
-// handle opens an rtnetlink handle in the netns behind fd (0: own netns).
-func handle(fd int) (*netlink.Handle, error) {
-	if fd == 0 {
-		return netlink.NewHandle(unix.NETLINK_ROUTE)
-	}
-	return netlink.NewHandleAt(netns.NsHandle(fd), unix.NETLINK_ROUTE)
-}
 
 func (r Route) family() int {
 	if r.V6 {
@@ -25,60 +15,56 @@ func (r Route) family() int {
 	return unix.AF_INET
 }
 
-func (r Route) rule() *netlink.Rule {
-	nr := netlink.NewRule()
-	nr.Family, nr.Mark, nr.Table, nr.Priority = r.family(), r.Mark, r.Table, r.Priority
-	mask := r.Mask
-	nr.Mask = &mask
-	return nr
-}
-
 // loopbackIndex is lo's ifindex: the kernel gives loopback index 1 in every
 // netns (LOOPBACK_IFINDEX), so no lookup round trip is needed.
 const loopbackIndex = 1
 
-func (r Route) route() *netlink.Route {
-	dst := &net.IPNet{IP: net.IPv4zero.To4(), Mask: net.CIDRMask(0, 32)}
-	if r.V6 {
-		dst = &net.IPNet{IP: net.IPv6zero, Mask: net.CIDRMask(0, 128)}
-	}
-	return &netlink.Route{LinkIndex: loopbackIndex, Dst: dst, Table: r.Table, Type: unix.RTN_LOCAL, Scope: netlink.SCOPE_HOST, Family: r.family()}
+// routeEntry is what routesPresent reads of an `ip rule` or a route.
+type routeEntry struct {
+	table, priority, mark, mask uint32
+	typ, dstLen                 uint8
+	hasMask                     bool
 }
 
-// applyRoutes makes `ip rule fwmark M/K pref P lookup T` and `ip route
-// local default dev lo table T` exist, per family; existing ones stay.
-func applyRoutes(fd int, routes []Route) error {
-	if len(routes) == 0 {
-		return nil
-	}
-	h, err := handle(fd)
+// dumpRoutes lists the rules (RTM_GETRULE) or routes (RTM_GETROUTE) of
+// one family over conn, decoded with mdlayher/netlink's attribute decoder.
+func dumpRoutes(conn *netlink.Conn, typ netlink.HeaderType, family int) ([]routeEntry, error) {
+	msgs, err := conn.Execute(netlink.Message{
+		Header: netlink.Header{Type: typ, Flags: netlink.Request | netlink.Dump},
+		Data:   make([]byte, unix.SizeofRtMsg),
+	})
 	if err != nil {
-		return fmt.Errorf("policy routing: %w", err)
+		return nil, err
 	}
-	defer h.Close()
-	for _, r := range routes {
-		if err := h.RouteReplace(r.route()); err != nil {
-			return fmt.Errorf("local default route in table %d: %w", r.Table, err)
+	var out []routeEntry
+	for _, m := range msgs {
+		if len(m.Data) < unix.SizeofRtMsg || int(m.Data[0]) != family {
+			continue
 		}
-		// RuleAdd asks for an exclusive create: an identical rule is EEXIST.
-		if err := h.RuleAdd(r.rule()); err != nil && !errors.Is(err, unix.EEXIST) {
-			return fmt.Errorf("ip rule fwmark %#x/%#x lookup %d: %w", r.Mark, r.Mask, r.Table, err)
+		e := routeEntry{table: uint32(m.Data[4]), typ: m.Data[7], dstLen: m.Data[1]}
+		ad, err := netlink.NewAttributeDecoder(m.Data[unix.SizeofRtMsg:])
+		if err != nil {
+			return nil, err
 		}
-	}
-	return nil
-}
-
-func hasRule(h *netlink.Handle, r Route) (bool, error) {
-	rules, err := h.RuleListFiltered(r.family(), &netlink.Rule{Table: r.Table}, netlink.RT_FILTER_TABLE)
-	if err != nil {
-		return false, fmt.Errorf("listing ip rules: %w", err)
-	}
-	for _, x := range rules {
-		if x.Mark == r.Mark && x.Mask != nil && *x.Mask == r.Mask && x.Priority == r.Priority {
-			return true, nil
+		ad.ByteOrder = binary.NativeEndian
+		for ad.Next() {
+			switch t := ad.Type(); {
+			case t == unix.RTA_TABLE: // = FRA_TABLE
+				e.table = ad.Uint32()
+			case typ == unix.RTM_GETRULE && t == unix.FRA_PRIORITY:
+				e.priority = ad.Uint32()
+			case typ == unix.RTM_GETRULE && t == unix.FRA_FWMARK:
+				e.mark = ad.Uint32()
+			case typ == unix.RTM_GETRULE && t == unix.FRA_FWMASK:
+				e.mask, e.hasMask = ad.Uint32(), true
+			}
 		}
+		if err := ad.Err(); err != nil {
+			return nil, err
+		}
+		out = append(out, e)
 	}
-	return false, nil
+	return out, nil
 }
 
 // routesPresent reports whether every rule and route of rs exists.
@@ -86,22 +72,32 @@ func routesPresent(fd int, routes []Route) error {
 	if len(routes) == 0 {
 		return nil
 	}
-	h, err := handle(fd)
+	conn, err := netlink.Dial(unix.NETLINK_ROUTE, &netlink.Config{NetNS: fd})
 	if err != nil {
-		return err
+		return fmt.Errorf("rtnetlink: %w", err)
 	}
-	defer h.Close()
+	defer conn.Close()
 	for _, r := range routes {
-		if ok, err := hasRule(h, r); err != nil {
-			return err
-		} else if !ok {
+		rules, err := dumpRoutes(conn, unix.RTM_GETRULE, r.family())
+		if err != nil {
+			return fmt.Errorf("listing ip rules: %w", err)
+		}
+		found := false
+		for _, x := range rules {
+			found = found || (x.table == uint32(r.Table) && x.mark == r.Mark && x.hasMask && x.mask == r.Mask && x.priority == uint32(r.Priority))
+		}
+		if !found {
 			return fmt.Errorf("ip rule fwmark %#x/%#x lookup %d (%s) is missing", r.Mark, r.Mask, r.Table, fam(r))
 		}
-		rs, err := h.RouteListFiltered(r.family(), &netlink.Route{Table: r.Table, Type: unix.RTN_LOCAL}, netlink.RT_FILTER_TABLE|netlink.RT_FILTER_TYPE)
+		rts, err := dumpRoutes(conn, unix.RTM_GETROUTE, r.family())
 		if err != nil {
-			return err
+			return fmt.Errorf("listing routes: %w", err)
 		}
-		if len(rs) == 0 {
+		found = false
+		for _, x := range rts {
+			found = found || (x.table == uint32(r.Table) && x.typ == unix.RTN_LOCAL && x.dstLen == 0)
+		}
+		if !found {
 			return fmt.Errorf("local default route in table %d (%s) is missing", r.Table, fam(r))
 		}
 	}
@@ -113,34 +109,4 @@ func fam(r Route) string {
 		return "ipv6"
 	}
 	return "ipv4"
-}
-
-// deleteRoutes removes our rules and routes; absent ones are fine.
-func deleteRoutes(fd int, routes []Route) error {
-	if len(routes) == 0 {
-		return nil
-	}
-	h, err := handle(fd)
-	if err != nil {
-		return err
-	}
-	defer h.Close()
-	var errs []error
-	for _, r := range routes {
-		for {
-			ok, err := hasRule(h, r)
-			if err != nil || !ok {
-				errs = append(errs, err)
-				break
-			}
-			if err := h.RuleDel(r.rule()); err != nil && !errors.Is(err, unix.ENOENT) {
-				errs = append(errs, err)
-				break
-			}
-		}
-		if err := h.RouteDel(r.route()); err != nil && !errors.Is(err, unix.ESRCH) && !errors.Is(err, unix.ENOENT) {
-			errs = append(errs, err)
-		}
-	}
-	return errors.Join(errs...)
 }

@@ -201,7 +201,12 @@ func TestHostProbeSNAT(t *testing.T) {
 		}
 	}
 	check(p.PodIP4, p.NodeIP4, "not enrolled v4")
-	if err := AddProbeIPs(p.Node.FD, uid, []netip.Addr{p.PodIP4, p.PodIP6}); err != nil {
+	ps, err := OpenProbeSet(p.Node.FD)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ps.Close()
+	if err := ps.Update(nil, []Element{{Addr: p.PodIP4, Comment: uid}, {Addr: p.PodIP6, Comment: uid}}); err != nil {
 		t.Fatal(err)
 	}
 	check(p.PodIP4, ProbeSNATv4, "enrolled v4")
@@ -210,31 +215,14 @@ func TestHostProbeSNAT(t *testing.T) {
 	if err := Verify(p.Node.FD, want); err != nil {
 		t.Fatalf("host table after add: %v", err)
 	}
-	// Another pod's UID does not remove this pod's IPs (IP reuse guard).
-	if err := RemoveProbeIPs(p.Node.FD, "uid-other", []netip.Addr{p.PodIP4}); err != nil {
-		t.Fatal(err)
+	owners, ok, err := ps.Elements()
+	if err != nil || !ok || owners[p.PodIP4] != uid || owners[p.PodIP6] != uid || len(owners) != 2 {
+		t.Errorf("Elements = %v %v %v", owners, ok, err)
 	}
-	if err := Verify(p.Node.FD, want); err != nil {
-		t.Fatalf("removal under another UID touched the set: %v", err)
-	}
-	if err := RemoveProbeIPs(p.Node.FD, uid, []netip.Addr{p.PodIP4, p.PodIP6}); err != nil {
+	if err := ps.Update([]netip.Addr{p.PodIP4, p.PodIP6}, nil); err != nil {
 		t.Fatal(err)
 	}
 	check(p.PodIP4, p.NodeIP4, "removed v4")
-	// A node without IPv6 has no v6 set: a pod's v6 address is skipped, not an error.
-	v4only := testnet.NewNS(t, "nfthost4")
-	if err := Apply(v4only.FD, HostProbe(false, nil)); err != nil {
-		t.Fatal(err)
-	}
-	if err := AddProbeIPs(v4only.FD, uid, []netip.Addr{p.PodIP4, p.PodIP6}); err != nil {
-		t.Fatalf("v4-only host: %v", err)
-	}
-	if err := Verify(v4only.FD, HostProbe(false, []Member{{UID: uid, IPs: []netip.Addr{p.PodIP4}}})); err != nil {
-		t.Fatal(err)
-	}
-	if err := RemoveProbeIPs(v4only.FD, uid, []netip.Addr{p.PodIP4, p.PodIP6}); err != nil {
-		t.Fatal(err)
-	}
 	if err := Verify(p.Node.FD, HostProbe(true, nil)); err != nil {
 		t.Fatalf("host table after remove: %v", err)
 	}

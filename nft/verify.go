@@ -84,17 +84,7 @@ func verifyTable(c *nftables.Conn, t *Table, all []*nftables.Chain) ([]string, e
 		if err != nil {
 			return nil, fmt.Errorf("listing rules of %s %s: %w", t.Name, ch.Name, err)
 		}
-		var got, want []string
-		for _, r := range rules {
-			tag, _ := userdata.GetString(r.UserData, ruleCommentType)
-			got = append(got, tag+" "+shape(r.Exprs))
-		}
-		for _, r := range ch.Rules {
-			want = append(want, r.Tag()+" "+shape(ruleExprs(r)))
-		}
-		if !slices.Equal(got, want) {
-			drift = append(drift, fmt.Sprintf("chain %s %s: rules differ (have %d, want %d)", t.Name, ch.Name, len(got), len(want)))
-		}
+		drift = append(drift, ruleDrift(t.Name, ch, rules)...)
 	}
 	for name := range live {
 		drift = append(drift, fmt.Sprintf("chain %s %s is not ours", t.Name, name))
@@ -181,4 +171,86 @@ func hookDrift(want *Chain, got *nftables.Chain) string {
 		return "policy is not accept"
 	}
 	return ""
+}
+
+// maxRuleProblems bounds how many rules of one chain a drift report names.
+const maxRuleProblems = 5
+
+// ruleDrift names, in chain order, each rule that is missing from a live
+// chain or should not be there, by its position and its text (ours) or
+// what can be read of it (anyone else's), aligning want with have on their
+// longest common run so that one inserted rule is one problem.
+func ruleDrift(table string, ch *Chain, live []*nftables.Rule) []string {
+	key := func(tag string, ex []expr.Any) string { return tag + " " + shape(ex) }
+	have := make([]string, len(live))
+	tags := make([]string, len(live))
+	for i, r := range live {
+		tags[i], _ = userdata.GetString(r.UserData, ruleCommentType)
+		have[i] = key(tags[i], r.Exprs)
+	}
+	want := make([]string, len(ch.Rules))
+	byTag := map[string]Rule{}
+	for i, r := range ch.Rules {
+		want[i] = key(r.Tag(), ruleExprs(r))
+		byTag[r.Tag()] = r
+	}
+	if slices.Equal(have, want) {
+		return nil
+	}
+	if len(have) == 0 {
+		return []string{fmt.Sprintf("chain %s %s is empty but should hold %d rules, the first: %s", table, ch.Name, len(want), ch.Rules[0].Text())}
+	}
+	// lcs[i][j]: longest common subsequence of want[i:] and have[j:].
+	lcs := make([][]int, len(want)+1)
+	for i := range lcs {
+		lcs[i] = make([]int, len(have)+1)
+	}
+	for i := len(want) - 1; i >= 0; i-- {
+		for j := len(have) - 1; j >= 0; j-- {
+			if want[i] == have[j] {
+				lcs[i][j] = lcs[i+1][j+1] + 1
+			} else {
+				lcs[i][j] = max(lcs[i+1][j], lcs[i][j+1])
+			}
+		}
+	}
+	var out []string
+	more := 0
+	note := func(p string) {
+		if len(out) < maxRuleProblems {
+			out = append(out, fmt.Sprintf("chain %s %s: %s", table, ch.Name, p))
+		} else {
+			more++
+		}
+	}
+	for i, j := 0, 0; i < len(want) || j < len(have); {
+		switch {
+		case i < len(want) && j < len(have) && want[i] == have[j]:
+			i, j = i+1, j+1
+		case j < len(have) && (i == len(want) || lcs[i][j+1] >= lcs[i+1][j]):
+			note(foreignRule(j+1, tags[j], live[j].Exprs, byTag))
+			j++
+		default:
+			note(fmt.Sprintf("rule %d is missing: %s", i+1, ch.Rules[i].Text()))
+			i++
+		}
+	}
+	if more > 0 {
+		out = append(out, fmt.Sprintf("chain %s %s: %d more rules differ", table, ch.Name, more))
+	}
+	return out
+}
+
+// foreignRule describes live rule n that is not one of ours as it stands.
+func foreignRule(n int, tag string, ex []expr.Any, ours map[string]Rule) string {
+	read := strings.TrimSpace(shape(ex))
+	switch r, ok := ours[tag]; {
+	case ok:
+		return fmt.Sprintf("rule %d carries the comment of %q but is not that rule: %s", n, r.Text(), read)
+	case strings.HasPrefix(tag, TagPrefix):
+		return fmt.Sprintf("rule %d carries an nftcni comment of no rule here (%q): %s", n, tag, read)
+	case tag == "":
+		return fmt.Sprintf("rule %d is not nftcni's (no nftcni comment): %s", n, read)
+	}
+	return fmt.Sprintf("rule %d is not nftcni's (comment %q): %s", n, tag, read)
 }

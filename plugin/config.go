@@ -9,8 +9,6 @@ import (
 	"strings"
 
 	"github.com/containernetworking/cni/pkg/types"
-	current "github.com/containernetworking/cni/pkg/types/100"
-	"github.com/containernetworking/cni/pkg/version"
 
 	"github.com/nftcni/nftcni/plugin/wire"
 )
@@ -25,7 +23,16 @@ const AgentPodPrefix = "nftcni-node-"
 
 // Config is our entry in the conflist, as the runtime hands it to us.
 type Config struct {
-	types.PluginConf
+	CNIVersion string `json:"cniVersion"`
+	Name       string `json:"name"`
+	// PrevResult is the primary plugins' result. It is handed back as it
+	// came, byte for byte: it is already in the config's cniVersion, so
+	// "unchanged" needs no conversion, and only the pod's addresses are
+	// read from it (prevResult).
+	PrevResult json.RawMessage `json:"prevResult,omitempty"`
+	// ValidAttachments: GC (CNI 1.1), the attachments the runtime keeps.
+	ValidAttachments []wire.Attachment `json:"cni.dev/valid-attachments,omitempty"`
+
 	LogLevel            string   `json:"plugin_log_level"`
 	RunDir              string   `json:"cni_agent_run_dir"`
 	ExcludeNamespaces   []string `json:"exclude_namespaces"`
@@ -38,6 +45,7 @@ type Config struct {
 	} `json:"runtimeConfig"`
 
 	level slog.Level
+	prev  *result
 }
 
 // ParseConfig reads the plugin's stdin. Errors name the field at fault.
@@ -46,8 +54,11 @@ func ParseConfig(stdin []byte) (*Config, error) {
 	if err := json.Unmarshal(stdin, c); err != nil {
 		return nil, fmt.Errorf("parsing network config: %w", err)
 	}
-	if err := version.ParsePrevResult(&c.PluginConf); err != nil {
-		return nil, fmt.Errorf("parsing prevResult: %w", err)
+	if len(c.PrevResult) > 0 && string(c.PrevResult) != "null" {
+		c.prev = &result{}
+		if err := json.Unmarshal(c.PrevResult, c.prev); err != nil {
+			return nil, fmt.Errorf("parsing prevResult: %w", err)
+		}
 	}
 	if c.RunDir == "" {
 		c.RunDir = DefaultRunDir
@@ -77,17 +88,19 @@ func (c *Config) SocketPath() string { return filepath.Join(c.RunDir, wire.Socke
 // PolicyPath is the agent's policy snapshot.
 func (c *Config) PolicyPath() string { return filepath.Join(c.RunDir, wire.PolicyName) }
 
-// prevResult converts prevResult to the current types (nil if absent).
-func (c *Config) prevResult() (*current.Result, error) {
-	if c.PrevResult == nil {
-		return nil, nil
-	}
-	r, err := current.NewResultFromResult(c.PrevResult)
-	if err != nil {
-		return nil, fmt.Errorf("converting prevResult: %w", err)
-	}
-	return r, nil
+// result is the part of a CNI result (0.3.0 and later) the plugin reads.
+type result struct {
+	Interfaces []struct {
+		Name string `json:"name"`
+	} `json:"interfaces"`
+	IPs []struct {
+		Address   string `json:"address"`
+		Interface *int   `json:"interface"`
+	} `json:"ips"`
 }
+
+// prevResult is prevResult as parsed (nil if absent).
+func (c *Config) prevResult() (*result, error) { return c.prev, nil }
 
 // K8sArgs are the CNI_ARGS that kubelet-era runtimes pass.
 type K8sArgs struct {
@@ -98,8 +111,8 @@ type K8sArgs struct {
 	K8S_POD_INFRA_CONTAINER_ID types.UnmarshallableString
 }
 
-// parseArgs reads CNI_ARGS, ignoring keys we do not know.
-func parseArgs(s string) (*K8sArgs, error) {
+// parseK8sArgs reads CNI_ARGS, ignoring keys we do not know.
+func parseK8sArgs(s string) (*K8sArgs, error) {
 	a := &K8sArgs{}
 	a.IgnoreUnknown = true
 	if err := types.LoadArgs(s, a); err != nil {
@@ -110,7 +123,7 @@ func parseArgs(s string) (*K8sArgs, error) {
 
 // podIPs lists the addresses prevResult gives the sandbox interface ifname
 // (or no interface at all, as some IPAMs report them).
-func podIPs(r *current.Result, ifname string) []netip.Prefix {
+func podIPs(r *result, ifname string) []netip.Prefix {
 	if r == nil {
 		return nil
 	}
@@ -122,12 +135,11 @@ func podIPs(r *current.Result, ifname string) []netip.Prefix {
 				continue
 			}
 		}
-		a, ok := netip.AddrFromSlice(ip.Address.IP)
-		if !ok {
+		p, err := netip.ParsePrefix(ip.Address)
+		if err != nil {
 			continue
 		}
-		ones, _ := ip.Address.Mask.Size()
-		out = append(out, netip.PrefixFrom(a.Unmap(), ones))
+		out = append(out, netip.PrefixFrom(p.Addr().Unmap(), p.Bits()))
 	}
 	return out
 }

@@ -1,13 +1,10 @@
 package plugin
 
 import (
-	"net"
 	"net/netip"
 	"reflect"
 	"strings"
 	"testing"
-
-	current "github.com/containernetworking/cni/pkg/types/100"
 )
 
 const prev = `{"cniVersion":"1.0.0","interfaces":[{"name":"cni0"},{"name":"veth1"},{"name":"eth0","sandbox":"/var/run/netns/p"}],
@@ -45,20 +42,26 @@ func TestParseConfig(t *testing.T) {
 }
 
 func TestPodIPsOutOfRangeInterface(t *testing.T) {
-	i := 7
-	r := &current.Result{IPs: []*current.IPConfig{{Interface: &i, Address: net.IPNet{IP: net.IPv4(10, 0, 0, 1), Mask: net.CIDRMask(24, 32)}}}}
+	c, err := ParseConfig([]byte(`{"prevResult":{"ips":[{"interface":7,"address":"10.0.0.1/24"},{"address":"not an address"}]}}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := c.prevResult()
+	if err != nil {
+		t.Fatal(err)
+	}
 	if got := podIPs(r, "eth0"); len(got) != 0 {
-		t.Errorf("address on a missing interface counted: %v", got)
+		t.Errorf("address on a missing interface, or not an address, counted: %v", got)
 	}
 }
 
 func TestParseArgs(t *testing.T) {
-	a, err := parseArgs("IgnoreUnknown=1;K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p;K8S_POD_UID=u;FOO=bar")
+	a, err := parseK8sArgs("IgnoreUnknown=1;K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p;K8S_POD_UID=u;FOO=bar")
 	if err != nil || a.K8S_POD_NAMESPACE != "ns" || a.K8S_POD_NAME != "p" || a.K8S_POD_UID != "u" {
-		t.Errorf("parseArgs = %+v, %v", a, err)
+		t.Errorf("parseK8sArgs = %+v, %v", a, err)
 	}
 	// Unknown keys are tolerated even without IgnoreUnknown: runtimes add their own.
-	if _, err := parseArgs("K8S_POD_NAME=p;SOMETHING=else"); err != nil {
+	if _, err := parseK8sArgs("K8S_POD_NAME=p;SOMETHING=else"); err != nil {
 		t.Errorf("unknown key refused: %v", err)
 	}
 }

@@ -1,8 +1,11 @@
 // Package plugin is the nftcni chained CNI plugin: every verb of CNI 1.1.
 //
-// ADD asks the agent what the pod gets, handing it the pod's netns fd, then
-// programs the pod's ruleset in that netns and reports back; the agent marks
-// the pod enrolled only after the rules are in place. The plugin never
+// ADD hands the agent the pod's identity and its netns fd and gets back
+// the decision with the pod's ruleset already encoded for the kernel; it
+// writes that batch into the netns (one send, one ack; the policy routes
+// likewise) and reports the outcome, with its logs, while the agent hands
+// the netns to ztunnel and records the pod. Two round trips; the agent
+// marks the pod enrolled only once both sides are done. The plugin never
 // talks to Kubernetes: identity comes from CNI_ARGS and prevResult, pod
 // annotations from the runtime's io.kubernetes.cri.pod-annotations
 // capability, everything else from the agent.
@@ -14,17 +17,17 @@
 package plugin
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"os"
 	"slices"
 	"strings"
 	"time"
 
-	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
-	current "github.com/containernetworking/cni/pkg/types/100"
 	"golang.org/x/sys/unix"
 
 	"github.com/nftcni/nftcni/nft"
@@ -43,16 +46,11 @@ type Plugin struct {
 // New returns a Plugin with the production timeouts.
 func New() *Plugin { return &Plugin{DialTimeout: time.Second, Timeout: 5 * time.Second} }
 
-// Funcs is what skel dispatches to.
-func (p *Plugin) Funcs() skel.CNIFuncs {
-	return skel.CNIFuncs{Add: p.Add, Del: p.Del, Check: p.Check, GC: p.GC, Status: p.Status}
-}
-
 // call is one invocation: its config, its log buffer, its agent connection.
 type call struct {
 	p     *Plugin
 	conf  *Config
-	args  *skel.CmdArgs
+	args  *Args
 	k8s   *K8sArgs
 	recs  records
 	log   *slog.Logger
@@ -63,14 +61,14 @@ type call struct {
 // since is the time from the call's start, in ms, for log records.
 func (c *call) since() float64 { return float64(time.Since(c.began).Microseconds()) / 1000 }
 
-func (p *Plugin) start(args *skel.CmdArgs) (*call, error) {
+func (p *Plugin) start(args *Args) (*call, error) {
 	conf, err := ParseConfig(args.StdinData)
 	if err != nil {
 		return nil, types.NewError(types.ErrInvalidNetworkConfig, "nftcni: "+err.Error(), "")
 	}
 	c := &call{p: p, conf: conf, args: args, began: time.Now()}
 	c.log = newLogger(conf.level, &c.recs).With("containerID", args.ContainerID)
-	if c.k8s, err = parseArgs(args.Args); err != nil {
+	if c.k8s, err = parseK8sArgs(args.Args); err != nil {
 		c.finish()
 		return nil, types.NewError(types.ErrInvalidEnvironmentVariables, "nftcni: "+err.Error(), "")
 	}
@@ -80,25 +78,39 @@ func (p *Plugin) start(args *skel.CmdArgs) (*call, error) {
 	return c, nil
 }
 
-// finish ships the call's log records and closes the agent connection.
+// finish ships the log records the conversation did not carry (one-way:
+// the agent does not answer) and closes the agent connection; with no
+// agent they go to the run dir's log file.
 func (c *call) finish() {
 	recs := c.recs.take()
 	if c.agent != nil {
 		defer c.agent.Close()
-		for len(recs) > 0 {
-			n, size := 0, 0
-			for n < len(recs) && size+len(recs[n]) < wire.MaxMessage/2 {
-				size += len(recs[n]) + 1
-				n++
-			}
-			n = max(n, 1) // a single oversized record fails to send and goes to the file
-			if err := c.agent.Send(&wire.Message{Kind: wire.KindLog, Logs: recs[:n]}, nil); err != nil {
-				break
-			}
-			recs = recs[n:]
-		}
+		recs = c.sendLogs(recs)
 	}
 	writeLogFile(c.conf.RunDir, recs)
+}
+
+// sendLogs sends recs in log messages that fit, and returns what did not go.
+func (c *call) sendLogs(recs []json.RawMessage) []json.RawMessage {
+	for len(recs) > 0 {
+		n := fitLogs(recs)
+		if err := c.agent.Send(&wire.Message{Kind: wire.KindLog, Logs: recs[:n]}, nil); err != nil {
+			return recs
+		}
+		recs = recs[n:]
+	}
+	return nil
+}
+
+// fitLogs is how many of recs fit in one message (at least one: a single
+// oversized record fails to send and goes to the file).
+func fitLogs(recs []json.RawMessage) int {
+	n, size := 0, 0
+	for n < len(recs) && size+len(recs[n]) < wire.MaxMessage/2 {
+		size += len(recs[n]) + 1
+		n++
+	}
+	return max(n, 1)
 }
 
 // passThrough says why this call needs nothing from nftcni, or "".
@@ -126,7 +138,7 @@ func sameNetns(a, b string) bool {
 	return sa.Dev == sb.Dev && sa.Ino == sb.Ino
 }
 
-func (c *call) pod(prev *current.Result) *wire.Pod {
+func (c *call) pod(prev *result) *wire.Pod {
 	return &wire.Pod{
 		Namespace:   string(c.k8s.K8S_POD_NAMESPACE),
 		Name:        string(c.k8s.K8S_POD_NAME),
@@ -138,9 +150,11 @@ func (c *call) pod(prev *current.Result) *wire.Pod {
 	}
 }
 
-// result prints prevResult unchanged, in the config's cniVersion.
-func (c *call) result(prev *current.Result) error {
-	return types.PrintResult(prev, c.conf.CNIVersion)
+// printPrev writes prevResult back as it came: it is already in the
+// config's cniVersion.
+func (c *call) printPrev(w io.Writer) error {
+	_, err := w.Write(append(slices.Clip(c.conf.PrevResult), '\n'))
+	return err
 }
 
 // dial connects to the agent; the connection is bounded by p.Timeout.
@@ -190,7 +204,7 @@ type agentError struct{ msg string }
 func (e *agentError) Error() string { return "agent: " + e.msg }
 
 // Add handles CNI ADD.
-func (p *Plugin) Add(args *skel.CmdArgs) (err error) {
+func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 	c, err := p.start(args)
 	if err != nil {
 		return err
@@ -210,7 +224,7 @@ func (p *Plugin) Add(args *skel.CmdArgs) (err error) {
 	}
 	if why := c.passThrough(); why != "" {
 		c.log.Debug("passing through", "reason", why)
-		return c.result(prev)
+		return c.printPrev(stdout)
 	}
 	pod := c.pod(prev)
 	netns, err := os.Open(args.Netns)
@@ -223,13 +237,13 @@ func (p *Plugin) Add(args *skel.CmdArgs) (err error) {
 		// Everything a sidecar ruleset needs came with the runtime's call.
 		if d.Mode == wire.ModeNone {
 			c.log.Debug("passing through", "reason", d.Reason)
-			return c.result(prev)
+			return c.printPrev(stdout)
 		}
-		if err := program(netns, d); err != nil {
+		if err := programDecision(netns, d); err != nil {
 			return fmt.Errorf("nftcni: pod %s: %w", pod.Key(), err)
 		}
 		c.log.Info("sidecar capture programmed", "source", "runtime annotations", "reason", d.Reason)
-		return c.result(prev)
+		return c.printPrev(stdout)
 	}
 
 	r, err := c.ask(&wire.Message{Kind: wire.KindAdd, Pod: pod}, netns, wire.KindDecision)
@@ -238,38 +252,37 @@ func (p *Plugin) Add(args *skel.CmdArgs) (err error) {
 		if errors.As(err, &refused) {
 			return fmt.Errorf("nftcni: pod %s: %w", pod.Key(), err)
 		}
-		return c.agentDown(pod, err, prev)
+		return c.agentDown(pod, err, stdout)
 	}
 	d := r.Decision
 	if d.Mode == wire.ModeNone {
 		c.log.Debug("not enrolled", "reason", d.Reason, "ms", c.since())
-		return c.result(prev)
+		return c.printPrev(stdout)
 	}
 	decided := c.since()
-	perr := program(netns, d)
-	programmed := c.since()
+	perr := nft.Program(int(netns.Fd()), r.Batch)
 	out := &wire.Message{Kind: wire.KindOutcome}
 	if perr != nil {
 		out.Error = perr.Error()
+	} else {
+		c.log.Info("pod ruleset programmed", "mode", d.Mode, "reason", d.Reason,
+			"decided_ms", decided, "programmed_ms", c.since())
 	}
-	if _, err := c.ask(out, nil, wire.KindDone); err != nil && perr == nil {
-		// Not enrolled after all (ztunnel refused it, say): leave no rules
-		// that send the pod's traffic where nothing takes it.
-		if derr := nft.Delete(int(netns.Fd()), nft.PodCleanup()); derr != nil {
-			c.log.Warn("removing the rules of a failed enrolment", "err", derr)
+	out.Logs = c.recs.take() // the logs ride the outcome: no third message
+	if _, err := c.ask(out, nil, wire.KindDone); err != nil {
+		// The agent removed what the enrolment had put in place, rules too.
+		if perr == nil {
+			return fmt.Errorf("nftcni: pod %s: enrolment failed after the rules were programmed (removed again): %w", pod.Key(), err)
 		}
-		return fmt.Errorf("nftcni: pod %s: enrolment failed after the rules were programmed (removed again): %w", pod.Key(), err)
 	}
 	if perr != nil {
 		return fmt.Errorf("nftcni: pod %s: programming the %s ruleset: %w", pod.Key(), d.Mode, perr)
 	}
-	c.log.Info("pod enrolled", "mode", d.Mode, "reason", d.Reason,
-		"ms", c.since(), "decided_ms", decided, "programmed_ms", programmed)
-	return c.result(prev)
+	return c.printPrev(stdout)
 }
 
-// program applies the decision's ruleset in the pod's netns.
-func program(netns *os.File, d *wire.Decision) error {
+// programDecision encodes and programs a decision the plugin made itself.
+func programDecision(netns *os.File, d *wire.Decision) error {
 	rs, err := d.Ruleset()
 	if err != nil || rs == nil {
 		return err
@@ -293,7 +306,7 @@ func (c *call) wouldEnrol(pod *wire.Pod) (bool, string, error) {
 }
 
 // agentDown applies the failure policy when the agent could not be asked.
-func (c *call) agentDown(pod *wire.Pod, cause error, prev *current.Result) error {
+func (c *call) agentDown(pod *wire.Pod, cause error, stdout io.Writer) error {
 	sock := c.conf.SocketPath()
 	enrol, why, err := c.wouldEnrol(pod)
 	if err != nil {
@@ -302,7 +315,7 @@ func (c *call) agentDown(pod *wire.Pod, cause error, prev *current.Result) error
 	}
 	if !enrol {
 		c.log.Warn("agent unreachable; the policy snapshot does not enrol this pod, letting it through", "socket", sock, "reason", why, "err", cause)
-		return c.result(prev)
+		return c.printPrev(stdout)
 	}
 	return types.NewError(types.ErrTryAgainLater,
 		fmt.Sprintf("nftcni: pod %s must be enrolled in the mesh (%s) but the nftcni agent at %s cannot be reached: %v; the pod will not start un-captured and the runtime will retry: check the nftcni-node pod on this node",
@@ -311,7 +324,7 @@ func (c *call) agentDown(pod *wire.Pod, cause error, prev *current.Result) error
 
 // Del handles CNI DEL: remove our table and routes if the netns still
 // exists, tell the agent, and succeed whatever is already gone.
-func (p *Plugin) Del(args *skel.CmdArgs) error {
+func (p *Plugin) Del(args *Args) error {
 	c, err := p.start(args)
 	if err != nil {
 		// A config we cannot read never had rules programmed by us;
@@ -332,15 +345,18 @@ func (p *Plugin) Del(args *skel.CmdArgs) error {
 	} else if args.Netns != "" && !errors.Is(err, os.ErrNotExist) {
 		c.log.Warn("could not open the pod's netns", "netns", args.Netns, "err", err)
 	}
-	pod := c.pod(nil)
-	if _, err := c.ask(&wire.Message{Kind: wire.KindDel, Pod: pod}, nil, wire.KindDone); err != nil {
+	m := &wire.Message{Kind: wire.KindDel, Pod: c.pod(nil), Logs: c.recs.take()}
+	if _, err := c.ask(m, nil, wire.KindDone); err != nil {
 		c.log.Warn("could not tell the agent about DEL; it reconciles on its own", "err", err)
 	}
 	return nil
 }
 
 // Check handles CNI CHECK: the pod's ruleset must be present and intact.
-func (p *Plugin) Check(args *skel.CmdArgs) (err error) {
+// The agent checks it through the netns fd it is handed; a sidecar pod the
+// plugin programmed from runtime annotations is checked here when the
+// agent is away.
+func (p *Plugin) Check(args *Args) (err error) {
 	c, err := p.start(args)
 	if err != nil {
 		return err
@@ -357,41 +373,40 @@ func (p *Plugin) Check(args *skel.CmdArgs) (err error) {
 		return nil
 	}
 	pod := c.pod(prev)
-	d := wire.SidecarFromAnnotations(pod.Annotations, wire.HasIPv6(pod.IPs))
-	if d == nil {
-		r, err := c.ask(&wire.Message{Kind: wire.KindCheck, Pod: pod}, nil, wire.KindDecision)
-		var refused *agentError
-		switch {
-		case errors.As(err, &refused):
-			return fmt.Errorf("nftcni: pod %s: %w", pod.Key(), err)
-		case err != nil:
-			// Only a pod that should have rules needs the agent to check them.
-			if enrol, _, perr := c.wouldEnrol(pod); perr == nil && !enrol {
-				return nil
-			}
-			return types.NewError(types.ErrTryAgainLater, fmt.Sprintf("nftcni: pod %s: cannot verify its ruleset without the agent at %s: %v", pod.Key(), c.conf.SocketPath(), err), "")
-		}
-		d = r.Decision
-	}
-	rs, err := d.Ruleset()
-	if err != nil || rs == nil {
-		return err
-	}
 	netns, err := os.Open(args.Netns)
 	if err != nil {
 		return fmt.Errorf("nftcni: opening the pod's netns: %w", err)
 	}
 	defer netns.Close()
-	if err := nft.Verify(int(netns.Fd()), rs); err != nil {
-		return fmt.Errorf("nftcni: pod %s: %s ruleset: %w", pod.Key(), d.Mode, err)
+	_, err = c.ask(&wire.Message{Kind: wire.KindCheck, Pod: pod}, netns, wire.KindDone)
+	var refused *agentError
+	switch {
+	case err == nil:
+		return nil
+	case errors.As(err, &refused):
+		return fmt.Errorf("nftcni: pod %s: %w", pod.Key(), err)
 	}
-	return nil
+	if d := wire.SidecarFromAnnotations(pod.Annotations, wire.HasIPv6(pod.IPs)); d != nil {
+		rs, rerr := d.Ruleset()
+		if rerr != nil || rs == nil {
+			return rerr
+		}
+		if verr := nft.Verify(int(netns.Fd()), rs); verr != nil {
+			return fmt.Errorf("nftcni: pod %s: %s ruleset: %w", pod.Key(), d.Mode, verr)
+		}
+		return nil
+	}
+	// Only a pod that should have rules needs the agent to check them.
+	if enrol, _, perr := c.wouldEnrol(pod); perr == nil && !enrol {
+		return nil
+	}
+	return types.NewError(types.ErrTryAgainLater, fmt.Sprintf("nftcni: pod %s: cannot verify its ruleset without the agent at %s: %v", pod.Key(), c.conf.SocketPath(), err), "")
 }
 
 // Status handles CNI STATUS: is the agent there to serve ADDs? It fails
 // only when the entry opts in, because containerd turns a failing STATUS
 // into NetworkReady=false for the whole node.
-func (p *Plugin) Status(args *skel.CmdArgs) error {
+func (p *Plugin) Status(args *Args) error {
 	c, err := p.start(args)
 	if err != nil {
 		return err
@@ -410,15 +425,15 @@ func (p *Plugin) Status(args *skel.CmdArgs) error {
 
 // GC handles CNI GC: the agent releases what it holds for attachments the
 // runtime no longer has.
-func (p *Plugin) GC(args *skel.CmdArgs) error {
+func (p *Plugin) GC(args *Args) error {
 	c, err := p.start(args)
 	if err != nil {
 		return err
 	}
 	defer c.finish()
-	valid := make([]wire.Attachment, 0, len(c.conf.ValidAttachments))
-	for _, a := range c.conf.ValidAttachments {
-		valid = append(valid, wire.Attachment{ContainerID: a.ContainerID, IfName: a.IfName})
+	valid := c.conf.ValidAttachments
+	if valid == nil {
+		valid = []wire.Attachment{}
 	}
 	if _, err := c.ask(&wire.Message{Kind: wire.KindGC, Valid: valid}, nil, wire.KindDone); err != nil {
 		c.log.Warn("GC: agent unreachable; it releases stale attachments itself when it returns", "err", err)

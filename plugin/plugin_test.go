@@ -1,6 +1,7 @@
 package plugin
 
 import (
+	"bytes"
 	"encoding/json"
 	"net"
 	"os"
@@ -8,8 +9,6 @@ import (
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/containernetworking/cni/pkg/skel"
 
 	"github.com/nftcni/nftcni/integration/testnet"
 	"github.com/nftcni/nftcni/plugin/wire"
@@ -35,23 +34,6 @@ func silentAgent(t *testing.T, runDir string) {
 	}()
 }
 
-// captureStdout swaps os.Stdout (where skel-style results go) for a file.
-func captureStdout(t *testing.T) func() string {
-	t.Helper()
-	f, err := os.CreateTemp(t.TempDir(), "stdout")
-	if err != nil {
-		t.Fatal(err)
-	}
-	old := os.Stdout
-	os.Stdout = f
-	return func() string {
-		os.Stdout = old
-		b, _ := os.ReadFile(f.Name())
-		f.Close()
-		return string(b)
-	}
-}
-
 // An agent that answers late is treated like one that is down: the pod's
 // fate comes from the policy snapshot, within the plugin's timeout.
 func TestLateAgent(t *testing.T) {
@@ -66,12 +48,12 @@ func TestLateAgent(t *testing.T) {
 	p := &Plugin{DialTimeout: time.Second, Timeout: 200 * time.Millisecond}
 	add := func(ns string) (string, error, time.Duration) {
 		stdin := `{"cniVersion":"1.0.0","name":"n","type":"nftcni","cni_agent_run_dir":"` + run + `","prevResult":` + prev + `}`
-		args := &skel.CmdArgs{ContainerID: "c1", Netns: pod.Path, IfName: "eth0", StdinData: []byte(stdin),
+		args := &Args{Command: "ADD", ContainerID: "c1", Netns: pod.Path, IfName: "eth0", StdinData: []byte(stdin),
 			Args: "K8S_POD_NAMESPACE=" + ns + ";K8S_POD_NAME=p"}
-		out := captureStdout(t)
+		var out bytes.Buffer
 		start := time.Now()
-		err := p.Add(args)
-		return out(), err, time.Since(start)
+		err := p.Add(args, &out)
+		return out.String(), err, time.Since(start)
 	}
 	_, err, took := add("mesh")
 	if err == nil || !strings.Contains(err.Error(), "must be enrolled") || !strings.Contains(err.Error(), "timeout") {
@@ -106,11 +88,11 @@ func TestPassThrough(t *testing.T) {
 	} {
 		stdin := `{"cniVersion":"1.0.0","name":"n","type":"nftcni","cni_agent_run_dir":"` + run +
 			`","pod_namespace":"nftcni-system","exclude_namespaces":["kube-system"],"prevResult":` + prev + `}`
-		args := &skel.CmdArgs{ContainerID: "c1", Netns: tc.netns, IfName: "eth0", StdinData: []byte(stdin), Args: tc.args}
-		out := captureStdout(t)
-		err := New().Add(args)
-		res := out()
-		if err != nil || !strings.Contains(res, `"10.88.0.5/24"`) {
+		args := &Args{Command: "ADD", ContainerID: "c1", Netns: tc.netns, IfName: "eth0", StdinData: []byte(stdin), Args: tc.args}
+		var out bytes.Buffer
+		err := New().Add(args, &out)
+		res := out.String()
+		if err != nil || res != prev+"\n" {
 			t.Errorf("%s: %v, result %s", tc.name, err, res)
 		}
 	}

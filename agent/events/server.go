@@ -27,32 +27,36 @@ import (
 
 	"github.com/nftcni/nftcni/agent/unixsock"
 	"github.com/nftcni/nftcni/conflist"
+	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
 
 // Handler is what the server needs from the rest of the agent.
 type Handler interface {
-	// Decide says what a pod gets (ADD and CHECK). It has no side effects.
-	Decide(ctx context.Context, pod *wire.Pod) (*wire.Decision, error)
-	// Prepare runs for an ADD the agent enrols, while the plugin programs
-	// the rules (ambient: hand netns to ztunnel and wait for its ack). An
-	// error fails the ADD, after Added has been told.
-	Prepare(ctx context.Context, pod *wire.Pod, d *wire.Decision, netns *os.File) error
-	// Added completes an ADD. For an enrolled pod it reports the plugin's
-	// outcome: programErr nil means the rules are in place, Prepare
-	// succeeded and the pod may be marked enrolled; it is called with an
-	// error when either failed or the plugin went away. For ModeNone it is
-	// called once the decision is sent: the pod is known (its netns with
-	// it), not enrolled. An error return fails the ADD.
-	Added(ctx context.Context, pod *wire.Pod, d *wire.Decision, netns *os.File, programErr error) error
-	// Deleted is the pod's DEL: release whatever is held for it.
-	Deleted(ctx context.Context, pod *wire.Pod) error
-	// ZDSState says what ztunnel has of the pod with uid (inspect).
-	ZDSState(uid string) string
+	// Add runs a pod's ADD. It decides and, for a pod it enrols, drives the
+	// enrolment, calling plugin.Decide once with the decision and the
+	// batch the plugin is to program. An error before that call is the
+	// answer to the add; after it, the answer to the plugin's outcome.
+	Add(ctx context.Context, pod *wire.Pod, netns *os.File, plugin Plugin) error
+	// Del is the pod's DEL: release whatever is held for it.
+	Del(ctx context.Context, pod *wire.Pod) error
+	// Check verifies the ruleset in the netns behind netns against what
+	// the pod should have (CHECK).
+	Check(ctx context.Context, pod *wire.Pod, netns *os.File) error
+	// Inspect says what the agent knows of the pod with uid.
+	Inspect(uid string) *wire.Inspect
 	// GC releases what is held for attachments not in valid.
 	GC(ctx context.Context, valid []wire.Attachment) error
 	// Ready is nil when ADDs can be served (STATUS).
 	Ready() error
+}
+
+// Plugin is the plugin's end of an ADD, as Handler.Add sees it.
+type Plugin interface {
+	// Decide sends the decision and, for an enrolled pod, the batch, then
+	// waits for the plugin's outcome: nil once the rules are in place.
+	// For ModeNone it only sends.
+	Decide(d *wire.Decision, b *nft.Batch) error
 }
 
 // Metrics counts plugin requests.
@@ -169,18 +173,20 @@ func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 		s.drainLogs(ctx, c)
 		return
 	case wire.KindCheck:
-		var d *wire.Decision
-		if d, err = s.h.Decide(ctx, m.Pod); err == nil {
-			reply = &wire.Message{Kind: wire.KindDecision, Decision: d}
+		if fd == nil {
+			err = errors.New("check carries no netns descriptor")
+		} else {
+			err = s.h.Check(ctx, m.Pod, fd)
 		}
 	case wire.KindDel:
-		err = s.h.Deleted(ctx, m.Pod)
+		s.pluginLogs(ctx, m.Logs)
+		err = s.h.Del(ctx, m.Pod)
 	case wire.KindStatus:
 		err = s.h.Ready()
 	case wire.KindGC:
 		err = s.h.GC(ctx, m.Valid)
 	case wire.KindInspect: // Decode made sure it names a pod UID
-		reply = &wire.Message{Kind: wire.KindDone, ZDS: s.h.ZDSState(m.Pod.UID)}
+		reply = &wire.Message{Kind: wire.KindDone, Inspect: s.h.Inspect(m.Pod.UID)}
 	default:
 		err = fmt.Errorf("a conversation cannot start with %s", m.Kind)
 	}
@@ -215,72 +221,70 @@ func podKey(p *wire.Pod) string {
 	return p.Key()
 }
 
-// add runs the ADD conversation: decision (Prepare starting beside it for
-// enrolled pods), then the plugin's outcome, then Added and the answer.
-func (s *Server) add(ctx context.Context, c *wire.Conn, pod *wire.Pod, netns *os.File) {
-	fail := func(err error) {
-		s.count(wire.KindAdd, "failure")
-		s.log.Warn("pod ADD failed", "pod", pod.Key(), "containerID", pod.ContainerID, "err", err)
-		_ = c.Send(&wire.Message{Kind: wire.KindError, Error: err.Error()}, nil)
+// addConv is the plugin's end of one ADD.
+type addConv struct {
+	s       *Server
+	ctx     context.Context
+	c       *wire.Conn
+	decided bool
+	mode    wire.Mode
+}
+
+// Decide sends the decision and, for an enrolled pod, waits for the
+// outcome, whose logs join the agent's.
+func (a *addConv) Decide(d *wire.Decision, b *nft.Batch) error {
+	if a.decided {
+		return errors.New("the ADD was decided already")
 	}
-	if netns == nil {
-		fail(errors.New("add carries no netns descriptor"))
-		return
-	}
-	d, err := s.h.Decide(ctx, pod)
-	if err != nil {
-		fail(err)
-		return
-	}
-	// Prepare (ztunnel taking the netns) runs while the plugin programs
-	// the rules: neither needs the other, and the pod's containers start
-	// only after both, when the ADD returns.
-	var prepared chan error
+	a.decided, a.mode = true, d.Mode
+	m := &wire.Message{Kind: wire.KindDecision, Decision: d}
 	if d.Mode != wire.ModeNone {
-		prepared = make(chan error, 1)
-		go func() { prepared <- s.h.Prepare(ctx, pod, d, netns) }()
+		m.Batch = b
 	}
-	if err := c.Send(&wire.Message{Kind: wire.KindDecision, Decision: d}, nil); err != nil {
-		if d.Mode != wire.ModeNone {
-			<-prepared
-			_ = s.h.Added(ctx, pod, d, netns, fmt.Errorf("plugin went away before the decision: %w", err))
-		}
-		s.count(wire.KindAdd, "failure")
-		return
+	if err := a.c.Send(m, nil); err != nil {
+		return fmt.Errorf("plugin went away before the decision: %w", err)
 	}
 	if d.Mode == wire.ModeNone {
-		if err := s.h.Added(ctx, pod, d, netns, nil); err != nil {
-			s.log.Warn("could not record a pod outside the mesh", "pod", pod.Key(), "err", err)
-		}
-		s.count(wire.KindAdd, "success")
-		return
+		return nil
 	}
-	m, fd, err := c.Recv()
+	out, fd, err := a.c.Recv()
 	if fd != nil {
 		fd.Close()
 	}
-	var programErr error
 	switch {
 	case err != nil:
-		programErr = fmt.Errorf("plugin went away before reporting its outcome: %w", err)
-	case m.Kind != wire.KindOutcome:
-		programErr = fmt.Errorf("plugin sent %s, want outcome", m.Kind)
-	case m.Error != "":
-		programErr = fmt.Errorf("plugin could not program the %s ruleset: %w", d.Mode, errors.New(m.Error))
+		return fmt.Errorf("plugin went away before reporting its outcome: %w", err)
+	case out.Kind != wire.KindOutcome:
+		return fmt.Errorf("plugin sent %s, want outcome", out.Kind)
 	}
-	if err := <-prepared; err != nil && programErr == nil {
-		programErr = err
+	a.s.pluginLogs(a.ctx, out.Logs)
+	if out.Error != "" {
+		return fmt.Errorf("plugin could not program the %s ruleset: %w", d.Mode, errors.New(out.Error))
 	}
-	if err := s.h.Added(ctx, pod, d, netns, programErr); err != nil {
-		fail(err)
+	return nil
+}
+
+// add runs the ADD conversation through the handler and gives the plugin
+// its last answer: done or error to its outcome, or an error in place of
+// a decision. A pod outside the mesh gets nothing after its decision.
+func (s *Server) add(ctx context.Context, c *wire.Conn, pod *wire.Pod, netns *os.File) {
+	conv := &addConv{s: s, ctx: ctx, c: c}
+	err := errors.New("add carries no netns descriptor")
+	if netns != nil {
+		err = s.h.Add(ctx, pod, netns, conv)
+	}
+	if err == nil && !conv.decided {
+		err = errors.New("the agent reached no decision") // a handler bug; never leave the plugin waiting
+	}
+	s.count(wire.KindAdd, result(err))
+	if err != nil {
+		s.log.Warn("pod ADD failed", "pod", pod.Key(), "containerID", pod.ContainerID, "err", err)
+		_ = c.Send(&wire.Message{Kind: wire.KindError, Error: err.Error()}, nil)
 		return
 	}
-	if programErr != nil {
-		fail(programErr)
-		return
+	if conv.decided && conv.mode != wire.ModeNone {
+		_ = c.Send(&wire.Message{Kind: wire.KindDone}, nil)
 	}
-	s.count(wire.KindAdd, "success")
-	_ = c.Send(&wire.Message{Kind: wire.KindDone}, nil)
 }
 
 // drainLogs reads what the plugin sends after the conversation: its log

@@ -51,35 +51,36 @@ type fake struct {
 	mu        sync.Mutex
 	decision  *wire.Decision
 	decideErr error
-	enrolled  []error
-	deleted   []string
-	gc        [][]wire.Attachment
-	delay     time.Duration
-	// prepareErr is what Prepare returns after prepareDelay.
-	prepareErr   error
-	prepareDelay time.Duration
+	// outcomes are what plugin.Decide returned, one per enrolled ADD.
+	outcomes []error
+	// afterErr fails the ADD after the plugin's outcome (ztunnel refused).
+	afterErr error
+	deleted  []string
+	gc       [][]wire.Attachment
 }
 
-func (f *fake) Decide(ctx context.Context, p *wire.Pod) (*wire.Decision, error) {
-	time.Sleep(f.delay)
-	return f.decision, f.decideErr
-}
-func (f *fake) Prepare(context.Context, *wire.Pod, *wire.Decision, *os.File) error {
-	time.Sleep(f.prepareDelay)
-	return f.prepareErr
-}
-func (f *fake) Added(_ context.Context, _ *wire.Pod, _ *wire.Decision, _ *os.File, err error) error {
+var testBatch = &nft.Batch{Tables: []byte("batch")}
+
+func (f *fake) Add(_ context.Context, _ *wire.Pod, _ *os.File, plugin Plugin) error {
+	if f.decideErr != nil {
+		return f.decideErr
+	}
+	err := plugin.Decide(f.decision, testBatch)
+	if f.decision.Mode == wire.ModeNone {
+		return nil
+	}
 	f.mu.Lock()
-	defer f.mu.Unlock()
-	f.enrolled = append(f.enrolled, err)
-	return nil
+	f.outcomes = append(f.outcomes, err)
+	f.mu.Unlock()
+	return errors.Join(err, f.afterErr)
 }
-func (f *fake) Deleted(_ context.Context, p *wire.Pod) error {
+func (f *fake) Del(_ context.Context, p *wire.Pod) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.deleted = append(f.deleted, p.Key())
 	return nil
 }
+func (f *fake) Check(context.Context, *wire.Pod, *os.File) error { return nil }
 func (f *fake) GC(_ context.Context, v []wire.Attachment) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -88,7 +89,7 @@ func (f *fake) GC(_ context.Context, v []wire.Attachment) error {
 }
 func (f *fake) Ready() error { return nil }
 
-func (f *fake) ZDSState(uid string) string { return "zds state of " + uid }
+func (f *fake) Inspect(uid string) *wire.Inspect { return &wire.Inspect{ZDS: "zds state of " + uid} }
 
 type harness struct {
 	path    string
@@ -287,8 +288,8 @@ func TestBadClients(t *testing.T) {
 		t.Fatalf("decision: %v %v", m, err)
 	}
 	c.Close()
-	waitUntil(t, func() bool { f.mu.Lock(); defer f.mu.Unlock(); return len(f.enrolled) == 1 })
-	if f.enrolled[0] == nil {
+	waitUntil(t, func() bool { f.mu.Lock(); defer f.mu.Unlock(); return len(f.outcomes) == 1 })
+	if f.outcomes[0] == nil {
 		t.Error("a plugin that went away was reported as enrolled")
 	}
 	// Still serving, and every descriptor it received is closed.
@@ -324,8 +325,9 @@ func waitUntil(t *testing.T, cond func() bool) {
 	}
 }
 
-// The full ADD conversation, then the plugin's log records re-emitted in
-// the agent's log at their level.
+// The full ADD conversation: two round trips, the batch with the decision,
+// the plugin's log records riding its outcome and re-emitted in the
+// agent's log at their level.
 func TestAddConversationAndLogs(t *testing.T) {
 	f := &fake{decision: &wire.Decision{Mode: wire.ModeAmbient, Ambient: &nft.AmbientSpec{}}}
 	hs := serve(t, f, "")
@@ -336,18 +338,16 @@ func TestAddConversationAndLogs(t *testing.T) {
 		t.Fatal(err)
 	}
 	m, _, err := c.Recv()
-	if err != nil || m.Kind != wire.KindDecision || m.Decision.Mode != wire.ModeAmbient {
+	if err != nil || m.Kind != wire.KindDecision || m.Decision.Mode != wire.ModeAmbient || string(m.Batch.Tables) != "batch" {
 		t.Fatalf("decision: %+v %v", m, err)
 	}
-	if err := c.Send(&wire.Message{Kind: wire.KindOutcome}, nil); err != nil {
+	rec, _ := json.Marshal(map[string]any{"level": "WARN", "msg": "from the plugin", "pod": "ns/p"})
+	out := &wire.Message{Kind: wire.KindOutcome, Logs: []json.RawMessage{rec, json.RawMessage(`["not a record"]`)}}
+	if err := c.Send(out, nil); err != nil {
 		t.Fatal(err)
 	}
 	if m, _, err = c.Recv(); err != nil || m.Kind != wire.KindDone {
 		t.Fatalf("done: %+v %v", m, err)
-	}
-	rec, _ := json.Marshal(map[string]any{"level": "WARN", "msg": "from the plugin", "pod": "ns/p"})
-	if err := c.Send(&wire.Message{Kind: wire.KindLog, Logs: []json.RawMessage{rec, json.RawMessage(`["not a record"]`)}}, nil); err != nil {
-		t.Fatal(err)
 	}
 	c.Close()
 	waitUntil(t, func() bool {
@@ -355,55 +355,64 @@ func TestAddConversationAndLogs(t *testing.T) {
 		defer hs.logMu.Unlock()
 		return strings.Contains(hs.log.String(), `level=WARN msg="from the plugin" source=plugin pod=ns/p`)
 	})
-	if len(f.enrolled) != 1 || f.enrolled[0] != nil {
-		t.Errorf("handler saw %v, want one successful enrolment", f.enrolled)
+	if len(f.outcomes) != 1 || f.outcomes[0] != nil {
+		t.Errorf("handler saw %v, want one successful outcome", f.outcomes)
 	}
 	if got := testutil.ToFloat64(hs.metrics.Requests.WithLabelValues("add", "success")); got != 1 {
 		t.Errorf("add success counted %v", got)
 	}
 }
 
-// The decision does not wait for Prepare (ztunnel), the answer does: a
-// Prepare that fails after the plugin programmed its rules fails the ADD
-// with Prepare's error, and Added hears of it.
-func TestPrepareRunsBesideTheRulesAndItsFailureFailsTheAdd(t *testing.T) {
+// A pod outside the mesh gets its decision and nothing after it.
+func TestAddOutsideTheMeshEndsWithTheDecision(t *testing.T) {
+	f := &fake{decision: &wire.Decision{Mode: wire.ModeNone, Reason: "no selector"}}
+	hs := serve(t, f, "")
+	netns, _ := os.Open("/proc/self/ns/net")
+	defer netns.Close()
+	c, uc := hs.dial(t)
+	if err := c.Send(&wire.Message{Kind: wire.KindAdd, Pod: pod()}, netns); err != nil {
+		t.Fatal(err)
+	}
+	if m, _, err := c.Recv(); err != nil || m.Kind != wire.KindDecision || m.Batch != nil {
+		t.Fatalf("decision: %+v %v", m, err)
+	}
+	_ = uc.SetReadDeadline(time.Now().Add(200 * time.Millisecond))
+	if m, _, err := c.Recv(); err == nil {
+		t.Errorf("a second answer after a none decision: %+v", m)
+	}
+}
+
+// A failure after the plugin programmed its rules (ztunnel refused the
+// pod) is the answer to the outcome.
+func TestFailureAfterTheOutcomeFailsTheAdd(t *testing.T) {
 	f := &fake{decision: &wire.Decision{Mode: wire.ModeAmbient, Ambient: &nft.AmbientSpec{}},
-		prepareErr: errors.New("ztunnel refused: cannot enter netns"), prepareDelay: 200 * time.Millisecond}
+		afterErr: errors.New("ztunnel refused: cannot enter netns")}
 	hs := serve(t, f, "")
 	netns, _ := os.Open("/proc/self/ns/net")
 	defer netns.Close()
 	c, _ := hs.dial(t)
-	start := time.Now()
 	if err := c.Send(&wire.Message{Kind: wire.KindAdd, Pod: pod()}, netns); err != nil {
 		t.Fatal(err)
 	}
 	if m, _, err := c.Recv(); err != nil || m.Kind != wire.KindDecision {
 		t.Fatalf("decision: %+v %v", m, err)
 	}
-	if took := time.Since(start); took >= f.prepareDelay {
-		t.Errorf("the decision waited %v for Prepare", took)
-	}
 	if err := c.Send(&wire.Message{Kind: wire.KindOutcome}, nil); err != nil {
 		t.Fatal(err)
 	}
 	m, _, err := c.Recv()
 	if err != nil || m.Kind != wire.KindError || !strings.Contains(m.Error, "cannot enter netns") {
-		t.Fatalf("answer: %+v %v, want Prepare's error", m, err)
-	}
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if len(f.enrolled) != 1 || f.enrolled[0] == nil {
-		t.Errorf("Added saw %v, want Prepare's error", f.enrolled)
+		t.Fatalf("answer: %+v %v, want the handler's error", m, err)
 	}
 }
 
-func TestInspectAnswersWhatZtunnelHas(t *testing.T) {
+func TestInspectAnswersWhatTheAgentKnows(t *testing.T) {
 	hs := serve(t, &fake{}, "")
 	c, _ := hs.dial(t)
 	if err := c.Send(&wire.Message{Kind: wire.KindInspect, Pod: &wire.Pod{UID: "uid-1"}}, nil); err != nil {
 		t.Fatal(err)
 	}
-	if m, _, err := c.Recv(); err != nil || m.Kind != wire.KindDone || m.ZDS != "zds state of uid-1" {
+	if m, _, err := c.Recv(); err != nil || m.Kind != wire.KindDone || m.Inspect == nil || m.Inspect.ZDS != "zds state of uid-1" {
 		t.Fatalf("inspect: %+v %v", m, err)
 	}
 }

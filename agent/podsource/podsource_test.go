@@ -10,8 +10,6 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
-
-	"github.com/nftcni/nftcni/agent/mesh"
 )
 
 const manifests = `apiVersion: v1
@@ -29,6 +27,7 @@ metadata:
   uid: "1111"
 spec:
   nodeName: node-a
+  serviceAccountName: app-sa
   containers: [{name: app, image: x}]
 ---
 apiVersion: v1
@@ -36,11 +35,12 @@ kind: Pod
 metadata:
   name: elsewhere
   namespace: mesh
+  uid: "2222"
 spec:
   nodeName: node-b
 `
 
-const list = `{"apiVersion":"v1","kind":"List","items":[{"apiVersion":"v1","kind":"Pod","metadata":{"name":"web"}}]}`
+const list = `{"apiVersion":"v1","kind":"List","items":[{"apiVersion":"v1","kind":"Pod","metadata":{"name":"web","uid":"3333"}}]}`
 
 func write(t *testing.T, dir, name, body string) {
 	t.Helper()
@@ -49,52 +49,93 @@ func write(t *testing.T, dir, name, body string) {
 	}
 }
 
+func quiet() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
+
 func TestLoad(t *testing.T) {
 	dir := t.TempDir()
 	write(t, dir, "10-mesh.yaml", manifests)
 	write(t, dir, "20-list.json", list)
 	write(t, dir, "README.md", "not a manifest")
-	o, err := Load(dir, "node-a")
-	if err != nil {
-		t.Fatal(err)
+	store := NewStore()
+	bad, err := New(dir, "node-a", store, quiet()).Load()
+	if err != nil || len(bad) != 0 {
+		t.Fatal(err, bad)
 	}
-	var names []string
-	for _, p := range o.Pods {
-		names = append(names, p.Namespace+"/"+p.Name)
+	if store.Pod("mesh", "elsewhere") != nil {
+		t.Error("node-b's pod was loaded for node-a")
 	}
-	if strings.Join(names, ",") != "mesh/app,default/web" {
-		t.Errorf("pods %v (node-b's pod must be left out, a pod without namespace is in default)", names)
+	app, web := store.Pod("mesh", "app"), store.Pod("default", "web")
+	if app == nil || web == nil || string(app.UID) != "1111" {
+		t.Fatalf("pods: app %v, web %v (a pod without namespace is in default)", app, web)
 	}
-	if len(o.Namespaces) != 1 || o.Namespaces[0].Labels["istio.io/dataplane-mode"] != "ambient" || string(o.Pods[0].UID) != "1111" {
-		t.Errorf("objects %+v", o)
+	// serviceAccountName defaults as the API server defaults it.
+	if app.Spec.ServiceAccountName != "app-sa" || web.Spec.ServiceAccountName != "default" {
+		t.Errorf("service accounts %q, %q; want app-sa, default", app.Spec.ServiceAccountName, web.Spec.ServiceAccountName)
+	}
+	if ns := store.Namespace("mesh"); ns == nil || ns.Labels["istio.io/dataplane-mode"] != "ambient" {
+		t.Errorf("namespace mesh: %+v", ns)
 	}
 	for body, want := range map[string]string{
-		"kind: Service\nmetadata: {name: s}\n":               "want Pod, Namespace or List",
-		"kind: Pod\nmetadata: {name: p}\nspec: {bogus: 1}\n": "unknown field",
-		"kind: Pod\nmetadata: {}\n":                          "without a name",
-		"kind: [\n":                                          "yaml",
+		"kind: Service\nmetadata: {name: s}\n":                         "want Pod, Namespace or List",
+		"kind: Pod\nmetadata: {name: p, uid: u}\nspec: {bogus: 1}\n":   "unknown field",
+		"kind: Pod\nmetadata: {uid: u}\n":                              "without a name",
+		"kind: Pod\nmetadata: {name: nouid}\n":                         "pod default/nouid has no metadata.uid",
+		"kind: [\n":                                                    "yaml",
+		"kind: List\nitems: [{kind: Pod, metadata: {name: nouid2}}]\n": "pod default/nouid2 has no metadata.uid",
 	} {
 		bad := t.TempDir()
 		write(t, bad, "bad.yaml", "kind: Namespace\nmetadata: {name: ok}\n---\n"+body)
-		if _, err := Load(bad, ""); err == nil || !strings.Contains(err.Error(), "bad.yaml document 2") || !strings.Contains(err.Error(), want) {
-			t.Errorf("Load(%q) = %v, want %q naming the file and document", body, err, want)
+		if _, err := LoadFile(filepath.Join(bad, "bad.yaml"), ""); err == nil || !strings.Contains(err.Error(), "bad.yaml document 2") || !strings.Contains(err.Error(), want) {
+			t.Errorf("LoadFile(%q) = %v, want %q naming the file and document", body, err, want)
 		}
 	}
 }
 
-func TestWatchReloadsAndKeepsLastGood(t *testing.T) {
+// One bad file does not stop the others, at start or later, and keeps its
+// own last good content; a removed file's pods are gone.
+func TestEachFileOnItsOwn(t *testing.T) {
+	dir := t.TempDir()
+	write(t, dir, "a.yaml", manifests)
+	write(t, dir, "b.json", "{not json")
+	store := NewStore()
+	s := New(dir, "node-a", store, quiet())
+	bad, err := s.Load()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(bad) != 1 || !strings.Contains(bad[0].Error(), "b.json") {
+		t.Errorf("bad files at start: %v, want b.json", bad)
+	}
+	if store.Pod("mesh", "app") == nil {
+		t.Fatal("a bad file at start kept the good one from loading")
+	}
+	write(t, dir, "b.json", list)
+	if _, err := s.Load(); err != nil || store.Pod("default", "web") == nil {
+		t.Fatalf("fixed file not loaded: %v", err)
+	}
+	write(t, dir, "b.json", "kind: Pod\nmetadata: {name: web}\n") // no uid: bad again
+	bad, _ = s.Load()
+	if len(bad) != 1 || store.Pod("default", "web") == nil || string(store.Pod("default", "web").UID) != "3333" {
+		t.Errorf("a broken file's last good content is not kept: bad %v, web %+v", bad, store.Pod("default", "web"))
+	}
+	os.Remove(filepath.Join(dir, "b.json"))
+	if _, err := s.Load(); err != nil || store.Pod("default", "web") != nil || store.Pod("mesh", "app") == nil {
+		t.Errorf("after removing b.json: web %v, app %v (%v)", store.Pod("default", "web"), store.Pod("mesh", "app"), err)
+	}
+}
+
+func TestWatchReloads(t *testing.T) {
 	dir := t.TempDir()
 	write(t, dir, "pods.yaml", manifests)
-	store := mesh.NewMemStore()
-	if err := Sync(store, dir, "node-a"); err != nil {
+	store := NewStore()
+	s := New(dir, "node-a", store, quiet())
+	if _, err := s.Load(); err != nil {
 		t.Fatal(err)
 	}
 	var reloads atomic.Int32
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error)
-	go func() {
-		done <- Watch(ctx, store, dir, "node-a", slog.New(slog.NewTextHandler(io.Discard, nil)), func() { reloads.Add(1) })
-	}()
+	go func() { done <- s.Watch(ctx, func() { reloads.Add(1) }) }()
 	defer func() { cancel(); <-done }()
 	waitFor := func(what string, cond func() bool) {
 		t.Helper()
@@ -107,20 +148,11 @@ func TestWatchReloadsAndKeepsLastGood(t *testing.T) {
 	time.Sleep(50 * time.Millisecond) // let the watch arm
 	write(t, dir, "more.json", list)
 	waitFor("the new pod", func() bool { return store.Pod("default", "web") != nil })
-	// A write can arrive as several events more than one debounce apart
-	// (create, then write): count reloads only once they have settled.
-	n := reloads.Load()
-	for settled := time.Now(); time.Since(settled) < 150*time.Millisecond; time.Sleep(10 * time.Millisecond) {
-		if m := reloads.Load(); m != n {
-			n, settled = m, time.Now()
-		}
-	}
 	write(t, dir, "broken.yaml", "kind: [\n")
-	time.Sleep(200 * time.Millisecond)
-	if store.Pod("default", "web") == nil || store.Pod("mesh", "app") == nil || reloads.Load() != n {
+	waitFor("a reload after the broken file", func() bool { return reloads.Load() >= 2 })
+	if store.Pod("default", "web") == nil || store.Pod("mesh", "app") == nil {
 		t.Error("a broken manifest changed the store")
 	}
-	os.Remove(filepath.Join(dir, "broken.yaml"))
 	os.Remove(filepath.Join(dir, "more.json"))
 	waitFor("the pod's removal", func() bool { return store.Pod("default", "web") == nil })
 }

@@ -34,8 +34,11 @@ const (
 
 // pod is a workload the agent has told (or will tell) ztunnel about.
 type pod struct {
-	info  WorkloadInfo
-	netns *os.File // nil: known without a netns (snapshot sends Keep)
+	info WorkloadInfo
+	// netns is the enrolment's own descriptor, borrowed: the agent keeps
+	// one per pod and closes it only after Del. nil: known without a netns
+	// (snapshot sends Keep).
+	netns *os.File
 }
 
 // Server is the agent's end of ZDS.
@@ -221,8 +224,9 @@ func (s *Server) closeAll() {
 }
 
 // Add hands a pod's netns to the newest ztunnel and waits for its ack; the
-// pod is remembered (with a dup of netns) for later snapshots. With no
-// ztunnel connected it returns ErrNoZtunnel and remembers nothing.
+// pod is remembered for later snapshots, netns with it: the caller keeps
+// netns open until it calls Del. With no ztunnel connected it returns
+// ErrNoZtunnel and remembers nothing.
 func (s *Server) Add(ctx context.Context, uid string, info WorkloadInfo, netns *os.File) error {
 	s.mu.Lock()
 	if len(s.conns) == 0 {
@@ -243,32 +247,34 @@ func (s *Server) Add(ctx context.Context, uid string, info WorkloadInfo, netns *
 }
 
 // Track remembers a pod without telling ztunnel now (agent restart: pods
-// found enrolled); netns may be nil, and the next snapshot sends Keep.
+// found enrolled), or points it at another descriptor of the same pod (a
+// re-created sandbox); netns is borrowed as in Add and may be nil, and the
+// next snapshot then sends Keep.
 func (s *Server) Track(uid string, info WorkloadInfo, netns *os.File) {
-	var kept *os.File
-	if netns != nil {
-		if fd, err := unix.FcntlInt(netns.Fd(), unix.F_DUPFD_CLOEXEC, 0); err == nil {
-			kept = os.NewFile(uintptr(fd), "netns-"+uid)
-		}
-	}
 	s.mu.Lock()
-	old := s.pods[uid]
-	s.pods[uid] = &pod{info: info, netns: kept}
+	s.pods[uid] = &pod{info: info, netns: netns}
 	s.mu.Unlock()
-	if old != nil && old.netns != nil {
-		old.netns.Close()
-	}
 }
 
-// Del tells every connected ztunnel to drop the pod and forgets it.
+// Holds says whether the server remembers the pod.
+func (s *Server) Holds(uid string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.pods[uid] != nil
+}
+
+// Del tells every connected ztunnel to drop the pod and forgets it; once
+// it returns, the pod's descriptor is no longer used. A pod the server
+// does not hold is not sent: ztunnel only has what the agent gave it on
+// this connection, so a Del could only name something it never had.
 func (s *Server) Del(uid string) {
 	s.mu.Lock()
-	old := s.pods[uid]
+	_, held := s.pods[uid]
 	delete(s.pods, uid)
 	cs := append([]*conn(nil), s.conns...)
 	s.mu.Unlock()
-	if old != nil && old.netns != nil {
-		old.netns.Close()
+	if !held {
+		return
 	}
 	for _, c := range cs {
 		if err := c.requestLocked(&Request{Kind: KindDel, UID: uid}, nil); err != nil {

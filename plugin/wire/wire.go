@@ -6,15 +6,22 @@
 // with its boundaries kept and a netns fd rides along in SCM_RIGHTS. A
 // message is one JSON object of at most MaxMessage bytes.
 //
-// One pod ADD is one connection:
+// One pod ADD is one connection and, for an enrolled pod, two round trips:
 //
-//	plugin -> agent   add      (pod identity, netns fd)
-//	agent  -> plugin  decision (none / ambient / sidecar and its inputs)
-//	plugin -> agent   outcome  (rules programmed, or why not)   [not for none]
-//	agent  -> plugin  done     (pod marked enrolled) or error
-//	plugin -> agent   log      (the invocation's log records)    [optional]
+//	plugin -> agent   add      (pod identity, IPs, runtime annotations, netns fd)
+//	agent  -> plugin  decision (none / ambient / sidecar, and the ruleset
+//	                            encoded for the kernel: a Batch)
+//	plugin -> agent   outcome  (batch programmed, or why not; the call's logs)
+//	agent  -> plugin  done     (pod enrolled) or error (enrolment undone)
 //
-// DEL, CHECK, STATUS, GC and INSPECT are one request and one reply each.
+// A pod outside the mesh ends after the decision. While the plugin
+// programs, the agent does its own part of the enrolment (ztunnel, host
+// probe set, record) and undoes it if the outcome is a failure.
+//
+// DEL, CHECK (with the netns fd), STATUS, GC and INSPECT are one request
+// and one reply each. Log records the plugin has left once its
+// conversation is over go in a one-way log message the agent does not
+// answer.
 package wire
 
 import (
@@ -23,6 +30,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"time"
 
 	"github.com/nftcni/nftcni/nft"
 )
@@ -52,7 +60,7 @@ const (
 	KindLog      Kind = "log"
 	KindError    Kind = "error"
 	// KindInspect asks the agent about a pod (Pod.UID) for an operator's
-	// inspect command; the answer is done with ZDS set.
+	// inspect command; the answer is done with Inspect set.
 	KindInspect Kind = "inspect"
 )
 
@@ -73,14 +81,29 @@ type Message struct {
 	Pod *Pod `json:"pod,omitempty"`
 	// Decision: decision.
 	Decision *Decision `json:"decision,omitempty"`
+	// Batch: decision, for an enrolled pod: its ruleset as the kernel
+	// takes it, for the plugin to write into the pod's netns as it is.
+	Batch *nft.Batch `json:"batch,omitempty"`
 	// Error: outcome (empty = rules in place) and error.
 	Error string `json:"error,omitempty"`
 	// Valid: gc, the attachments the runtime still has.
 	Valid []Attachment `json:"valid,omitempty"`
-	// Logs: log, one JSON object per record.
+	// Logs: outcome, del and log, one JSON object per record.
 	Logs []json.RawMessage `json:"logs,omitempty"`
-	// ZDS: the answer to inspect, what ztunnel has of the pod.
-	ZDS string `json:"zds,omitempty"`
+	// Inspect: the answer to inspect.
+	Inspect *Inspect `json:"inspect,omitempty"`
+}
+
+// Inspect is what the running agent knows of a pod beyond its record.
+type Inspect struct {
+	// ZDS says what ztunnel has of the pod.
+	ZDS string `json:"zds"`
+	// Verified is when the agent last found the pod's ruleset intact
+	// (zero: not yet); Drift is what it found wrong last, if anything.
+	Verified time.Time `json:"verified,omitzero"`
+	Drift    string    `json:"drift,omitempty"`
+	// Repairs counts the times the agent put the ruleset back.
+	Repairs int `json:"repairs,omitempty"`
 }
 
 // Attachment is what CNI identifies a pod's network attachment by.
@@ -195,7 +218,11 @@ func Decode(b []byte) (*Message, error) {
 			return nil, errors.New("decision message without a decision")
 		}
 		switch m.Decision.Mode {
-		case ModeNone, ModeAmbient, ModeSidecar:
+		case ModeNone:
+		case ModeAmbient, ModeSidecar:
+			if m.Batch == nil || len(m.Batch.Tables) == 0 {
+				return nil, fmt.Errorf("decision message: %s without a batch to program", m.Decision.Mode)
+			}
 		default:
 			return nil, fmt.Errorf("decision message: unknown mode %q", m.Decision.Mode)
 		}

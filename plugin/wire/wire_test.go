@@ -6,6 +6,7 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/nftcni/nftcni/nft"
 )
@@ -15,8 +16,12 @@ func TestRoundTrip(t *testing.T) {
 		{Kind: KindAdd, Pod: &Pod{Namespace: "ns", Name: "p", UID: "u", Attachment: Attachment{ContainerID: "c", IfName: "eth0"},
 			IPs:         []netip.Prefix{netip.MustParsePrefix("10.0.0.5/24"), netip.MustParsePrefix("fd00::5/64")},
 			Annotations: map[string]string{"a": "b"}}},
-		{Kind: KindDecision, Decision: &Decision{Mode: ModeAmbient, Reason: "r", Ambient: &nft.AmbientSpec{DNSCapture: true, VirtualInterfaces: []string{"tun0"}}}},
-		{Kind: KindDecision, Decision: &Decision{Mode: ModeSidecar, Sidecar: &SidecarDecision{Annotations: map[string]string{"x": "y"}, Proxy: nft.SidecarProxy{UID: 7}}}},
+		{Kind: KindDecision, Decision: &Decision{Mode: ModeAmbient, Reason: "r", Ambient: &nft.AmbientSpec{DNSCapture: true, VirtualInterfaces: []string{"tun0"}}},
+			Batch: &nft.Batch{Tables: []byte{1, 2, 3}, Replace: []byte{4}, Routes: []byte{5, 6}}},
+		{Kind: KindDecision, Decision: &Decision{Mode: ModeSidecar, Sidecar: &SidecarDecision{Annotations: map[string]string{"x": "y"}, Proxy: nft.SidecarProxy{UID: 7}}},
+			Batch: &nft.Batch{Tables: []byte{1}}},
+		{Kind: KindOutcome, Logs: []json.RawMessage{json.RawMessage(`{"msg":"programmed"}`)}},
+		{Kind: KindDone, Inspect: &Inspect{ZDS: "held", Verified: time.Date(2026, 12, 2, 0, 0, 0, 0, time.UTC), Repairs: 2, Drift: "table missing"}},
 		{Kind: KindOutcome, Error: "boom"},
 		{Kind: KindGC, Valid: []Attachment{{ContainerID: "c", IfName: "eth0"}}},
 		{Kind: KindLog, Logs: []json.RawMessage{json.RawMessage(`{"msg":"x"}`)}},
@@ -42,7 +47,8 @@ func TestDecodeRefuses(t *testing.T) {
 		`{"kind":"add"}`:                         "without a pod",
 		`{"kind":"del","pod":{"namespace":"n"}}`: "needs namespace, name and containerID",
 		`{"kind":"decision"}`:                    "without a decision",
-		`{"kind":"decision","decision":{"mode":"x"}}`: "unknown mode",
+		`{"kind":"decision","decision":{"mode":"x"}}`:       "unknown mode",
+		`{"kind":"decision","decision":{"mode":"ambient"}}`: "without a batch",
 		`{"kind":"nope"}`:                     "unknown message kind",
 		`{"kind":"status"} {"kind":"status"}`: "trailing data",
 		`{"kind":"status","valid":"x"}`:       "decoding message",

@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"time"
 )
 
 // flagSet is a flag.FlagSet whose flags each have an environment twin in
@@ -30,6 +31,16 @@ func (f *flagSet) str(p *string, name, env, def, usage string) {
 
 func (f *flagSet) boolean(p *bool, name, env string, def bool, usage string) {
 	f.BoolVar(p, name, def, usage+" [env "+env+"]")
+	f.env[name] = env
+}
+
+func (f *flagSet) duration(p *time.Duration, name, env string, def time.Duration, usage string) {
+	f.DurationVar(p, name, def, usage+" [env "+env+"]")
+	f.env[name] = env
+}
+
+func (f *flagSet) integer(p *int, name, env string, def int, usage string) {
+	f.IntVar(p, name, def, usage+" [env "+env+"]")
 	f.env[name] = env
 }
 

@@ -11,7 +11,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/nftcni/nftcni/agent/mesh"
+	"github.com/nftcni/nftcni/agent/records"
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
@@ -51,9 +51,9 @@ func inspectCmd(args []string, out io.Writer) error {
 		f.Usage()
 		return errors.New("inspect takes one pod (namespace/name or a netns path) or \"host\"")
 	}
-	recs, bad, err := mesh.ReadRecords(i.runDir)
+	recs, bad, err := records.Read(i.runDir)
 	if err != nil {
-		return fmt.Errorf("reading the agent's pod records in %s: %w", filepath.Join(i.runDir, mesh.StateDir), err)
+		return fmt.Errorf("reading the agent's pod records in %s: %w", filepath.Join(i.runDir, records.DirName), err)
 	}
 	for _, b := range bad {
 		fmt.Fprintf(out, "warning: unreadable pod record %v\n", b)
@@ -62,7 +62,7 @@ func inspectCmd(args []string, out io.Writer) error {
 	if target == "host" {
 		return i.host(out, recs)
 	}
-	var match []mesh.Record
+	var match []records.Record
 	for _, r := range recs {
 		if r.Pod.Key() == target || (r.Pod.Netns != "" && r.Pod.Netns == target) {
 			match = append(match, r)
@@ -73,7 +73,7 @@ func inspectCmd(args []string, out io.Writer) error {
 			return i.unknownNetns(out, target)
 		}
 		return fmt.Errorf("the agent has no record of pod %s in %s: it was not started through nftcni on this node, or it is gone (a sidecar pod programmed from runtime annotations is never recorded: inspect it by its netns path)",
-			target, filepath.Join(i.runDir, mesh.StateDir))
+			target, filepath.Join(i.runDir, records.DirName))
 	}
 	var errs error
 	for _, r := range match {
@@ -83,7 +83,7 @@ func inspectCmd(args []string, out io.Writer) error {
 }
 
 // pod prints one recorded pod and checks its netns against its decision.
-func (i *inspectFlags) pod(out io.Writer, r mesh.Record) error {
+func (i *inspectFlags) pod(out io.Writer, r records.Record) error {
 	d := r.Decision
 	if d == nil {
 		d = &wire.Decision{Mode: wire.ModeNone}
@@ -91,8 +91,12 @@ func (i *inspectFlags) pod(out io.Writer, r mesh.Record) error {
 	fmt.Fprintf(out, "pod %s (uid %s, sandbox %s, %s)\n", r.Pod.Key(), r.UID, short(r.Pod.ContainerID), r.Pod.IfName)
 	fmt.Fprintf(out, "  netns:     %s\n", r.Pod.Netns)
 	fmt.Fprintf(out, "  IPs:       %s\n", prefixes(r.Pod.IPs))
-	fmt.Fprintf(out, "  enrolment: %s (%s)\n", d.Mode, d.Reason)
-	fmt.Fprintf(out, "  ztunnel:   %s\n", i.zdsState(r.UID))
+	fmt.Fprintf(out, "  enrolment: %s\n", withReason(string(d.Mode), d.Reason))
+	ag := i.ask(r.UID)
+	fmt.Fprintf(out, "  ztunnel:   %s\n", ag.ZDS)
+	if d.Mode != wire.ModeNone {
+		fmt.Fprintf(out, "  verified:  %s\n", verified(ag))
+	}
 	want, err := d.Ruleset()
 	if err != nil {
 		return fmt.Errorf("pod %s: its recorded decision gives no ruleset: %w", r.Pod.Key(), err)
@@ -114,7 +118,7 @@ func (i *inspectFlags) unknownNetns(out io.Writer, path string) error {
 	}
 	defer unix.Close(fd)
 	fmt.Fprintf(out, "netns %s\n  enrolment: no record in %s (not seen by the agent; sidecar pods programmed from runtime annotations are not recorded)\n",
-		path, filepath.Join(i.runDir, mesh.StateDir))
+		path, filepath.Join(i.runDir, records.DirName))
 	live, err := nft.Live(fd, nft.PodTable, nil)
 	if err != nil {
 		return err
@@ -128,7 +132,7 @@ func (i *inspectFlags) unknownNetns(out io.Writer, path string) error {
 }
 
 // host checks the probe table against the pods recorded as ambient.
-func (i *inspectFlags) host(out io.Writer, recs []mesh.Record) error {
+func (i *inspectFlags) host(out io.Writer, recs []records.Record) error {
 	var members []nft.Member
 	for _, r := range recs {
 		if r.Decision == nil || r.Decision.Mode != wire.ModeAmbient {
@@ -186,17 +190,18 @@ func check(out io.Writer, fd int, table string, want *nft.Ruleset) error {
 	return nil
 }
 
-// zdsState asks the running agent what ztunnel has of the pod.
-func (i *inspectFlags) zdsState(uid string) string {
+// ask asks the running agent what it knows of the pod beyond its record.
+func (i *inspectFlags) ask(uid string) *wire.Inspect {
 	sock := filepath.Join(i.runDir, wire.SocketName)
+	unknown := func(why string) *wire.Inspect { return &wire.Inspect{ZDS: "unknown: " + why} }
 	c, err := wire.Dial(sock, time.Second)
 	if err != nil {
-		return fmt.Sprintf("unknown: the agent at %s is not reachable (%v)", sock, err)
+		return unknown(fmt.Sprintf("the agent at %s is not reachable (%v)", sock, err))
 	}
 	defer c.Close()
 	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
 	if err := c.Send(&wire.Message{Kind: wire.KindInspect, Pod: &wire.Pod{UID: uid}}, nil); err != nil {
-		return "unknown: " + err.Error()
+		return unknown(err.Error())
 	}
 	m, fd, err := c.Recv()
 	if fd != nil {
@@ -204,11 +209,38 @@ func (i *inspectFlags) zdsState(uid string) string {
 	}
 	switch {
 	case err != nil:
-		return "unknown: " + err.Error()
+		return unknown(err.Error())
 	case m.Kind == wire.KindError:
-		return "unknown: the agent says " + m.Error
+		return unknown("the agent says " + m.Error)
+	case m.Inspect == nil:
+		return unknown("the agent sent no answer")
 	}
-	return m.ZDS
+	return m.Inspect
+}
+
+// verified says when the agent last found the pod's ruleset intact.
+func verified(in *wire.Inspect) string {
+	var s string
+	switch {
+	case strings.HasPrefix(in.ZDS, "unknown:"):
+		return "unknown: the agent is not reachable"
+	case in.Verified.IsZero():
+		s = "not yet by this agent (its first pass runs right after it starts)"
+	default:
+		s = fmt.Sprintf("%s ago (%s)", time.Since(in.Verified).Round(time.Second), in.Verified.UTC().Format(time.RFC3339))
+	}
+	if in.Repairs > 0 {
+		s += fmt.Sprintf("; put back %d times, last drift: %s", in.Repairs, in.Drift)
+	}
+	return s
+}
+
+// withReason prints "what (why)", or "what" when there is no why.
+func withReason(what, why string) string {
+	if why == "" {
+		return what
+	}
+	return what + " (" + why + ")"
 }
 
 func short(id string) string {

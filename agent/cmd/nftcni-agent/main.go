@@ -245,23 +245,22 @@ func runCmd(ctx context.Context, args []string) error {
 
 	// The plugin's endpoint comes up before the plugin is installed, so the
 	// first pod after installation already finds the agent.
-	e, err := serveEvents(ctx, c, a, policy, reg, log)
+	n, kube, err := startNode(ctx, c, a, policy, reg, log)
 	if err != nil {
 		return err
 	}
-	defer e.mesh.Close()
 	runErr := in.Run(ctx, install.DefaultLoopConfig(), metrics, state)
 	uninstall := onExit == "uninstall"
 	if onExit == "auto" {
-		uninstall = r.decideExit(e.kube, c.podNamespace, log)
+		uninstall = r.decideExit(kube, c.podNamespace, log)
 	}
 	if uninstall {
 		log.Info("shutting down: uninstalling nftcni")
-		if err := e.mesh.RemoveHost(); err != nil {
+		if err := n.Host.Delete(); err != nil {
 			runErr = errors.Join(runErr, fmt.Errorf("removing the host probe table: %w", err))
 		}
 	}
-	e.stop()
+	n.Stop()
 	if uninstall {
 		policyErr := os.Remove(filepath.Join(c.runDir, wire.PolicyName))
 		if errors.Is(policyErr, os.ErrNotExist) {

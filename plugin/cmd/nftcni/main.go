@@ -3,13 +3,11 @@
 package main
 
 import (
-	"github.com/containernetworking/cni/pkg/skel"
-	"github.com/containernetworking/cni/pkg/version"
-	bv "github.com/containernetworking/plugins/pkg/utils/buildversion"
+	"os"
 
 	"github.com/nftcni/nftcni/plugin"
 )
 
 func main() {
-	skel.PluginMainFuncs(plugin.New().Funcs(), version.All, bv.BuildString("nftcni"))
+	os.Exit(plugin.New().Main(os.Getenv, os.Stdin, os.Stdout, os.Stderr))
 }

@@ -1,0 +1,510 @@
+// Package enrol is the agent's one enrolment state machine: every way a
+// pod enters or leaves the mesh — the plugin's ADD, late enrolment and
+// unenrolment, restart repair, adoption of pods found through /proc, DEL,
+// GC, pods deleted or gone from the pod source, drift found by the
+// verifier — goes through Enroller.enrol or Enroller.release, in one order
+// written once.
+//
+// enrol: the decision is made first; then the rules, ztunnel's hold on
+// the netns, the host probe set entry and the pod's record are put in
+// place, concurrently where they can be; then the pod is annotated. Any
+// failure undoes what was done, and the pod is left as it was. Who puts
+// the rules in place depends on the moment: the plugin at ADD (it writes
+// the batch the agent encoded into the pod's netns), the agent itself
+// everywhere else, with the same batch and the same nft code.
+//
+// release: the pod's rules and policy routes go whenever its netns still
+// exists, then ztunnel's hold (a ZDS Del, sent only with the pod's real
+// UID), the probe set entry, the annotation and, when the pod is gone, the
+// record and the netns descriptor.
+//
+// The Enroller holds one descriptor of each pod's netns; ztunnel's side
+// borrows it. Transitions of one pod are serialised by that pod's lock.
+package enrol
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"os"
+	"sort"
+	"sync"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+
+	"github.com/nftcni/nftcni/agent/enablement"
+	"github.com/nftcni/nftcni/agent/events"
+	"github.com/nftcni/nftcni/agent/records"
+	"github.com/nftcni/nftcni/agent/zds"
+	"github.com/nftcni/nftcni/nft"
+	"github.com/nftcni/nftcni/plugin/wire"
+)
+
+// Store is where pods and namespaces come from: an informer cache, or a
+// static directory of manifests.
+type Store interface {
+	Pod(namespace, name string) *corev1.Pod
+	Namespace(name string) *corev1.Namespace
+	Pods() []*corev1.Pod
+	Namespaces() []*corev1.Namespace
+}
+
+// Ztunnel is where ambient pods' netns go (package zds). The netns it is
+// given is borrowed: the Enroller closes it only after Del.
+type Ztunnel interface {
+	Add(ctx context.Context, uid string, info zds.WorkloadInfo, netns *os.File) error
+	// Track remembers a pod for the next snapshot without sending it now.
+	Track(uid string, info zds.WorkloadInfo, netns *os.File)
+	Del(uid string)
+	Holds(uid string) bool
+	State(uid string) string
+}
+
+// Probes is the host probe set (package hostprobe).
+type Probes interface {
+	Add(uid string, ips []netip.Addr) error
+	Remove(uid string, ips []netip.Addr) error
+}
+
+// Records is where the agent records the pods it knows (package records).
+type Records interface {
+	Save(*records.Record) error
+	Drop(wire.Attachment) error
+	Load() ([]records.Record, []error, error)
+}
+
+// Annotator records a pod's enrolment state on the pod itself
+// (ambient.istio.io/redirection); state "" removes it.
+type Annotator interface {
+	SetRedirection(ctx context.Context, namespace, name, state string) error
+}
+
+// Finder finds the netns of a running pod the agent never saw an ADD for
+// (package procscan).
+type Finder interface {
+	Find(uid string, ips []netip.Addr) (*os.File, error)
+}
+
+// Rules programs, removes and checks pod rulesets in a netns (package
+// nft; tests may fake it).
+type Rules interface {
+	Program(fd int, b *nft.Batch) error
+	Remove(fd int) error
+	// Check verifies rs in the netns, skipping the listing of nf_tables
+	// objects when the ruleset generation is still gen (0: always list);
+	// it returns the generation it saw.
+	Check(fd int, rs *nft.Ruleset, gen uint32) (uint32, error)
+}
+
+// Options are the parts of the node an Enroller works with; nil ones are
+// skipped (tests, the demo, hosts without ztunnel or Kubernetes).
+type Options struct {
+	Policy    *enablement.Policy
+	Store     Store
+	Rules     Rules // nil: package nft
+	Ztunnel   Ztunnel
+	Probes    Probes
+	Records   Records
+	Annotator Annotator
+	Finder    Finder
+	Metrics   *Metrics
+	Log       *slog.Logger
+	// LookupRetries bounds how often Decide looks again, 10 ms apart, for
+	// a pod the store does not have yet (informer lag for a pod the
+	// scheduler bound a moment ago); 0: 10.
+	LookupRetries int
+}
+
+// Enroller implements events.Handler.
+type Enroller struct {
+	opts    Options
+	policy  *enablement.Policy
+	store   Store
+	rules   Rules
+	log     *slog.Logger
+	metrics *Metrics
+	batches batchCache
+
+	lookupRetries int
+	lookupDelay   time.Duration
+
+	mu   sync.Mutex
+	pods map[wire.Attachment]*pod
+}
+
+var _ events.Handler = (*Enroller)(nil)
+
+// New returns an Enroller.
+func New(opts Options) *Enroller {
+	if opts.Log == nil {
+		opts.Log = slog.New(slog.DiscardHandler)
+	}
+	if opts.Rules == nil {
+		opts.Rules = NftRules{}
+	}
+	if opts.Metrics == nil {
+		opts.Metrics = NewMetrics(nil)
+	}
+	if opts.LookupRetries == 0 {
+		opts.LookupRetries = 10
+	}
+	return &Enroller{opts: opts, policy: opts.Policy, store: opts.Store, rules: opts.Rules, log: opts.Log,
+		metrics: opts.Metrics, lookupRetries: opts.LookupRetries, lookupDelay: 10 * time.Millisecond, pods: map[wire.Attachment]*pod{}}
+}
+
+// pod is one sandbox attachment the agent knows: enrolled, or known (its
+// netns kept for a later enrolment).
+type pod struct {
+	mu sync.Mutex // held for a whole transition
+	id wire.Pod
+	// uid is the pod's Kubernetes UID ("" when neither the runtime nor the
+	// store gave one: such a pod is never handed to ztunnel).
+	uid string
+	d   *wire.Decision // never nil; ModeNone: known, not enrolled
+	// netns is the one descriptor of the pod's netns the agent holds; nil
+	// for a record whose sandbox is gone.
+	netns            *os.File
+	nsDev, nsIno     uint64
+	pathVisible      bool // id.Netns named netns from here when it was opened
+	gone             bool // released for good: whoever waited for the lock finds nothing to do
+	verify           verifyState
+	annotationWanted bool // enrolled, but the annotation could not be written yet
+}
+
+func (p *pod) enrolled() bool { return p.d.Mode != wire.ModeNone }
+
+func (p *pod) fd() int { return int(p.netns.Fd()) }
+
+func none(reason string) *wire.Decision { return &wire.Decision{Mode: wire.ModeNone, Reason: reason} }
+
+func (e *Enroller) workload(p *pod) zds.WorkloadInfo {
+	info := zds.WorkloadInfo{Name: p.id.Name, Namespace: p.id.Namespace, ServiceAccount: "default"}
+	if kp := e.store.Pod(p.id.Namespace, p.id.Name); kp != nil && kp.Spec.ServiceAccountName != "" {
+		info.ServiceAccount = kp.Spec.ServiceAccountName
+	}
+	return info
+}
+
+func (e *Enroller) record(p *pod, d *wire.Decision) *records.Record {
+	return &records.Record{Pod: p.id, UID: p.uid, Decision: d, NetnsDev: p.nsDev, NetnsIno: p.nsIno}
+}
+
+// how says how an enrolment comes about at the moment it happens.
+type how struct {
+	// rules puts the ruleset in place: the plugin's conversation at ADD,
+	// the agent's own Program elsewhere, a deferred check at restart.
+	rules func(context.Context) error
+	// restored: the pod was enrolled before this agent started. ztunnel
+	// gets it in its first snapshot (it is not connected yet), the record
+	// is already there, and an undo must not remove rules the previous
+	// agent put in place.
+	restored bool
+	// recorded: the pod's record already says this decision.
+	recorded bool
+}
+
+// enrol brings p into the mesh as d says. Called with p.mu held.
+func (e *Enroller) enrol(ctx context.Context, p *pod, d *wire.Decision, h how) error {
+	ambient := d.Mode == wire.ModeAmbient
+	if ambient && p.uid == "" {
+		return fmt.Errorf("pod %s has no UID (neither K8S_POD_UID from the runtime nor metadata.uid in its manifest): ztunnel names workloads by UID, so it cannot be enrolled in ambient", p.id.Key())
+	}
+	zt, probes, recs := e.opts.Ztunnel, e.opts.Probes, e.opts.Records
+	var wg sync.WaitGroup
+	var ztErr, probeErr, recErr error
+	ztDone, probeDone, recDone := false, false, false
+	if ambient && zt != nil {
+		if h.restored {
+			zt.Track(p.uid, e.workload(p), p.netns)
+			ztDone = true
+		} else {
+			wg.Add(1)
+			go func() { // ztunnel's ack is the longest step: it overlaps the rules
+				defer wg.Done()
+				if ztErr = zt.Add(ctx, p.uid, e.workload(p), p.netns); ztErr == nil {
+					ztDone = true
+				}
+			}()
+		}
+	}
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		if ambient && probes != nil {
+			if probeErr = probes.Add(p.uid, addrs(p.id.IPs)); probeErr != nil {
+				return
+			}
+			probeDone = true
+		}
+		if recs != nil && !h.recorded {
+			if recErr = recs.Save(e.record(p, d)); recErr == nil {
+				recDone = true
+			}
+		}
+	}()
+	rulesErr := h.rules(ctx)
+	wg.Wait()
+	err := errors.Join(rulesErr, ztErr, probeErr, recErr)
+	if err == nil && ambient {
+		if aerr := e.annotate(ctx, p, RedirectionEnabled); aerr != nil && h.restored {
+			// Captured already: the annotation is retried on the pod's
+			// next reconcile rather than undo a working enrolment.
+			e.log.Warn("could not annotate a restored pod; retried on its next change", "pod", p.id.Key(), "err", aerr)
+			p.annotationWanted = true
+		} else {
+			err = aerr
+		}
+	}
+	if err != nil {
+		// Undo, newest first; the pod is left as it was.
+		if recDone {
+			e.saveRecord(p, p.d)
+		}
+		if probeDone {
+			e.removeProbe(p, "undo")
+		}
+		if ztDone && !h.restored {
+			e.ztunnelRelease(p)
+		}
+		if !h.restored && p.netns != nil {
+			if rerr := e.rules.Remove(p.fd()); rerr != nil {
+				e.log.Warn("could not remove the rules of a failed enrolment", "pod", p.id.Key(), "err", rerr)
+			}
+		}
+		return fmt.Errorf("enrolling pod %s (%s): %w", p.id.Key(), d.Mode, err)
+	}
+	p.d = d
+	p.verify = verifyState{pending: true}
+	return nil
+}
+
+// RedirectionEnabled is the annotation value of an enrolled pod. Istio's
+// "pending" (rules without ztunnel) cannot arise here: a pod is annotated
+// only once ztunnel has acked it.
+const RedirectionEnabled = "enabled"
+
+// annotate sets or clears the redirection annotation when the store does
+// not already show that state.
+func (e *Enroller) annotate(ctx context.Context, p *pod, state string) error {
+	if e.opts.Annotator == nil {
+		return nil
+	}
+	kp := e.store.Pod(p.id.Namespace, p.id.Name)
+	if kp == nil {
+		return nil // gone: nothing to annotate
+	}
+	if have, ok := kp.Annotations[enablement.AnnRedirection]; (state == "" && !ok) || (state != "" && ok && have == state) {
+		return nil
+	}
+	if err := e.opts.Annotator.SetRedirection(ctx, p.id.Namespace, p.id.Name, state); err != nil {
+		return fmt.Errorf("annotating pod %s %s=%q: %w", p.id.Key(), enablement.AnnRedirection, state, err)
+	}
+	return nil
+}
+
+// releaseHow says what a release keeps.
+type releaseHow struct {
+	why string
+	// rulesGone: the caller removed the rules already (the plugin's DEL).
+	rulesGone bool
+	// forget: the pod is gone; drop its record and its netns descriptor.
+	forget bool
+	// keepAnnotation: leave the pod's annotation (DEL: the sandbox goes,
+	// the pod may get a new one).
+	keepAnnotation bool
+}
+
+// release takes p out of the mesh. Called with p.mu held. An error means
+// the pod's rules could not be removed from a netns that still exists; the
+// pod then stays enrolled, so the caller retries.
+func (e *Enroller) release(ctx context.Context, p *pod, r releaseHow) error {
+	wasEnrolled, ambient := p.enrolled(), p.d.Mode == wire.ModeAmbient
+	if wasEnrolled && !r.rulesGone && e.netnsAlive(p) {
+		if err := e.rules.Remove(p.fd()); err != nil {
+			if !r.forget {
+				return fmt.Errorf("releasing pod %s: removing its rules: %w", p.id.Key(), err)
+			}
+			e.log.Warn("could not remove a released pod's rules", "pod", p.id.Key(), "err", err)
+		}
+	}
+	if ambient {
+		e.ztunnelRelease(p)
+		e.removeProbe(p, r.why)
+	}
+	if wasEnrolled && !r.keepAnnotation {
+		if err := e.annotate(ctx, p, ""); err != nil {
+			e.log.Warn("could not remove the enrolment annotation", "pod", p.id.Key(), "err", err)
+		}
+	}
+	if wasEnrolled {
+		e.log.Info("pod released", "pod", p.id.Key(), "mode", p.d.Mode, "uid", p.uid, "containerID", p.id.ContainerID, "why", r.why)
+	}
+	p.d = none(r.why)
+	p.annotationWanted = false
+	if !r.forget {
+		e.saveRecord(p, p.d)
+		return nil
+	}
+	if e.opts.Records != nil {
+		if err := e.opts.Records.Drop(p.id.Attachment); err != nil {
+			e.log.Warn("could not remove a pod's record", "pod", p.id.Key(), "err", err)
+		}
+	}
+	if p.netns != nil {
+		p.netns.Close()
+		p.netns = nil
+	}
+	p.gone = true
+	e.mu.Lock()
+	if e.pods[p.id.Attachment] == p {
+		delete(e.pods, p.id.Attachment)
+	}
+	e.mu.Unlock()
+	return nil
+}
+
+// ztunnelRelease lets ztunnel go of p, unless another enrolled sandbox of
+// the same pod (a re-created one) still needs it: then ztunnel keeps the
+// pod, pointed at that sandbox's netns.
+func (e *Enroller) ztunnelRelease(p *pod) {
+	zt := e.opts.Ztunnel
+	if zt == nil || p.uid == "" {
+		return
+	}
+	if s := e.sibling(p); s != nil {
+		zt.Track(p.uid, e.workload(s), s.netns)
+		return
+	}
+	zt.Del(p.uid)
+}
+
+// removeProbe takes p's IPs out of the probe set, except those another
+// enrolled sandbox of the same pod holds.
+func (e *Enroller) removeProbe(p *pod, why string) {
+	if e.opts.Probes == nil || p.uid == "" {
+		return
+	}
+	keep := map[netip.Addr]bool{}
+	if s := e.sibling(p); s != nil {
+		for _, ip := range addrs(s.id.IPs) {
+			keep[ip] = true
+		}
+	}
+	var gone []netip.Addr
+	for _, ip := range addrs(p.id.IPs) {
+		if !keep[ip] {
+			gone = append(gone, ip)
+		}
+	}
+	if err := e.opts.Probes.Remove(p.uid, gone); err != nil {
+		e.log.Warn("could not remove a pod's IPs from the host probe set; the host guard will", "pod", p.id.Key(), "why", why, "err", err)
+	}
+}
+
+// sibling is another enrolled ambient attachment with p's UID.
+func (e *Enroller) sibling(p *pod) *pod {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for _, o := range e.pods {
+		if o != p && o.uid == p.uid && !o.gone && o.netns != nil && o.d.Mode == wire.ModeAmbient {
+			return o
+		}
+	}
+	return nil
+}
+
+func (e *Enroller) saveRecord(p *pod, d *wire.Decision) {
+	if e.opts.Records == nil {
+		return
+	}
+	if err := e.opts.Records.Save(e.record(p, d)); err != nil {
+		e.log.Error("could not record a pod; a restarted agent would not find it", "pod", p.id.Key(), "err", err)
+	}
+}
+
+// netnsAlive says whether p's netns is still its sandbox's: the path the
+// runtime gave still names the descriptor held. A path the agent cannot
+// see from its mount namespace tells nothing: the netns is taken as alive.
+func (e *Enroller) netnsAlive(p *pod) bool {
+	if p.netns == nil {
+		return false
+	}
+	return !p.pathVisible || sameFile(p.id.Netns, p.netns)
+}
+
+func addrs(ips []netip.Prefix) []netip.Addr {
+	out := make([]netip.Addr, 0, len(ips))
+	for _, p := range ips {
+		out = append(out, p.Addr())
+	}
+	return out
+}
+
+// Member is an enrolled pod attachment, for tests and operators.
+type Member struct {
+	Pod  wire.Pod
+	Mode wire.Mode
+	UID  string
+}
+
+// Members lists the enrolled attachments (ambient or sidecar), sorted by pod.
+func (e *Enroller) Members() []Member {
+	var out []Member
+	for _, p := range e.snapshot() {
+		p.mu.Lock()
+		if !p.gone && p.enrolled() {
+			out = append(out, Member{Pod: p.id, Mode: p.d.Mode, UID: p.uid})
+		}
+		p.mu.Unlock()
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Pod.Key() < out[j].Pod.Key() })
+	return out
+}
+
+// ProbeMembers is what the host probe set must hold: every enrolled
+// ambient pod's IPs by UID.
+func (e *Enroller) ProbeMembers() []nft.Member {
+	byUID := map[string][]netip.Addr{}
+	for _, m := range e.Members() {
+		if m.Mode == wire.ModeAmbient && m.UID != "" {
+			byUID[m.UID] = append(byUID[m.UID], addrs(m.Pod.IPs)...)
+		}
+	}
+	out := make([]nft.Member, 0, len(byUID))
+	for uid, ips := range byUID {
+		out = append(out, nft.Member{UID: uid, IPs: ips})
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].UID < out[j].UID })
+	return out
+}
+
+// snapshot lists the pods tracked now.
+func (e *Enroller) snapshot() []*pod {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	out := make([]*pod, 0, len(e.pods))
+	for _, p := range e.pods {
+		out = append(out, p)
+	}
+	return out
+}
+
+// Close releases every descriptor held (the agent stopping: in-pod rules
+// and ztunnel's snapshot stay as they are for the next agent).
+func (e *Enroller) Close() {
+	for _, p := range e.snapshot() {
+		p.mu.Lock()
+		if p.netns != nil {
+			p.netns.Close()
+			p.netns = nil
+		}
+		p.gone = true
+		p.mu.Unlock()
+	}
+	e.mu.Lock()
+	e.pods = map[wire.Attachment]*pod{}
+	e.mu.Unlock()
+}

@@ -1,0 +1,235 @@
+package enrol
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/nftcni/nftcni/agent/events"
+	"github.com/nftcni/nftcni/nft"
+	"github.com/nftcni/nftcni/plugin/wire"
+)
+
+// This file is what the plugin's requests reach (events.Handler).
+
+// Decide looks the pod up and applies the enablement policy.
+func (e *Enroller) Decide(ctx context.Context, p *wire.Pod) (*wire.Decision, error) {
+	kp := e.store.Pod(p.Namespace, p.Name)
+	for i := 0; kp == nil && i < e.lookupRetries; i++ {
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(e.lookupDelay):
+		}
+		kp = e.store.Pod(p.Namespace, p.Name)
+	}
+	ns := e.store.Namespace(p.Namespace)
+	if kp == nil || (p.UID != "" && string(kp.UID) != "" && string(kp.UID) != p.UID) {
+		// Unknown (or an older pod of the same name): decide from the
+		// namespace alone, failing closed where it enrols pods.
+		if e.policy.NamespaceEnrols(ns) {
+			return nil, fmt.Errorf("pod %s (uid %s) is not in the agent's cache yet and namespace %s enrols its pods; retry", p.Key(), p.UID, p.Namespace)
+		}
+		return none("pod not in the agent's cache; its namespace does not enrol pods"), nil
+	}
+	return e.policy.Decide(kp, ns, p.IPs), nil
+}
+
+// uid is the pod's UID: the runtime's, else the store's, else "".
+func (e *Enroller) uid(p *wire.Pod) string {
+	if p.UID != "" {
+		return p.UID
+	}
+	if kp := e.store.Pod(p.Namespace, p.Name); kp != nil {
+		return string(kp.UID)
+	}
+	return ""
+}
+
+// track starts tracking a new attachment with its own dup of netns. An
+// older entry for the same attachment (the runtime re-running ADD for a
+// sandbox) is forgotten first; the plugin is about to program its netns.
+func (e *Enroller) track(ctx context.Context, wp *wire.Pod, netns *os.File) (*pod, error) {
+	e.mu.Lock()
+	old := e.pods[wp.Attachment]
+	e.mu.Unlock()
+	if old != nil {
+		old.mu.Lock()
+		if !old.gone {
+			_ = e.release(ctx, old, releaseHow{why: "the runtime ran ADD again for this sandbox", rulesGone: true, forget: true, keepAnnotation: true})
+		}
+		old.mu.Unlock()
+	}
+	f, err := dupFile(netns)
+	if err != nil {
+		return nil, fmt.Errorf("keeping the netns of pod %s: %w", wp.Key(), err)
+	}
+	p := &pod{id: *wp, uid: e.uid(wp), d: none("new"), netns: f}
+	var st unix.Stat_t
+	if unix.Fstat(int(f.Fd()), &st) == nil {
+		p.nsDev, p.nsIno = st.Dev, st.Ino
+	}
+	p.pathVisible = wp.Netns != "" && sameFile(wp.Netns, f)
+	e.mu.Lock()
+	e.pods[wp.Attachment] = p
+	e.mu.Unlock()
+	return p, nil
+}
+
+// Add runs a pod's ADD: the decision, and for a pod it enrols the one
+// enrolment, with the plugin programming the rules.
+func (e *Enroller) Add(ctx context.Context, wp *wire.Pod, netns *os.File, plugin events.Plugin) error {
+	d, err := e.Decide(ctx, wp)
+	if err != nil {
+		return err
+	}
+	_, batch, err := e.batches.get(d)
+	if err != nil {
+		return fmt.Errorf("pod %s: encoding its %s ruleset: %w", wp.Key(), d.Mode, err)
+	}
+	p, err := e.track(ctx, wp, netns)
+	if err != nil {
+		return err
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if d.Mode == wire.ModeNone {
+		// Known, with its netns, so that enrolling it later (a label
+		// added) needs no search for its netns.
+		if err := plugin.Decide(d, nil); err != nil {
+			e.log.Debug("plugin went away after its decision", "pod", wp.Key(), "err", err)
+		}
+		p.d = d
+		e.saveRecord(p, d)
+		return nil
+	}
+	err = e.enrol(ctx, p, d, how{rules: func(context.Context) error { return plugin.Decide(d, batch) }})
+	if err != nil {
+		return err
+	}
+	e.log.Info("pod enrolled", "pod", wp.Key(), "mode", d.Mode, "uid", p.uid, "containerID", wp.ContainerID, "reason", d.Reason)
+	return nil
+}
+
+// Del is the pod's DEL: the plugin removed the rules in the netns; the
+// rest of the enrolment goes here, and the pod is forgotten.
+func (e *Enroller) Del(ctx context.Context, wp *wire.Pod) error {
+	e.mu.Lock()
+	p := e.pods[wp.Attachment]
+	e.mu.Unlock()
+	if p == nil {
+		// Never seen, or gone already. ztunnel holds only what this agent
+		// gave it, so a pod kept without a netns (adopted, no record) is
+		// the one thing left to let go, by its real UID.
+		if zt := e.opts.Ztunnel; zt != nil && wp.UID != "" && zt.Holds(wp.UID) && !e.uidTracked(wp.UID) {
+			zt.Del(wp.UID)
+		}
+		return nil
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.gone {
+		return nil
+	}
+	return e.release(ctx, p, releaseHow{why: "DEL", rulesGone: true, forget: true, keepAnnotation: true})
+}
+
+// uidTracked says whether any attachment with uid is tracked.
+func (e *Enroller) uidTracked(uid string) bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for _, p := range e.pods {
+		if p.uid == uid && !p.gone {
+			return true
+		}
+	}
+	return false
+}
+
+// Check verifies a pod's ruleset through the descriptor the plugin handed
+// over, against what the pod should have now.
+func (e *Enroller) Check(ctx context.Context, wp *wire.Pod, netns *os.File) error {
+	d, err := e.Decide(ctx, wp)
+	if err != nil {
+		return err
+	}
+	rs, _, err := e.batches.get(d)
+	if err != nil {
+		return err
+	}
+	if rs == nil {
+		has, err := nft.HasTable(int(netns.Fd()), nft.PodTable)
+		if err == nil && has {
+			err = fmt.Errorf("pod %s is not enrolled (%s) but its netns holds table inet %s", wp.Key(), d.Reason, nft.PodTable)
+		}
+		return err
+	}
+	_, err = e.rules.Check(int(netns.Fd()), rs, 0)
+	if err != nil {
+		return fmt.Errorf("pod %s %s ruleset: %w", wp.Key(), d.Mode, err)
+	}
+	return nil
+}
+
+// GC forgets every attachment the runtime no longer has.
+func (e *Enroller) GC(ctx context.Context, valid []wire.Attachment) error {
+	keep := make(map[wire.Attachment]bool, len(valid))
+	for _, a := range valid {
+		keep[a] = true
+	}
+	n := 0
+	for _, p := range e.snapshot() {
+		if keep[p.id.Attachment] {
+			continue
+		}
+		p.mu.Lock()
+		if !p.gone {
+			_ = e.release(ctx, p, releaseHow{why: "GC: the runtime no longer has this attachment", forget: true, keepAnnotation: true})
+			n++
+		}
+		p.mu.Unlock()
+	}
+	if n > 0 {
+		e.log.Info("GC released stale attachments", "count", n)
+	}
+	return nil
+}
+
+// Ready is nil: the plugin can be served as soon as the server runs.
+func (e *Enroller) Ready() error { return nil }
+
+// Inspect says what the agent knows of a pod.
+func (e *Enroller) Inspect(uid string) *wire.Inspect {
+	in := &wire.Inspect{ZDS: "no ztunnel configured (--ztunnel-socket none)"}
+	if e.opts.Ztunnel != nil {
+		in.ZDS = e.opts.Ztunnel.State(uid)
+	}
+	for _, p := range e.snapshot() {
+		p.mu.Lock()
+		if p.uid == uid && !p.gone && p.enrolled() {
+			in.Verified, in.Drift, in.Repairs = p.verify.at, p.verify.drift, p.verify.repairs
+		}
+		p.mu.Unlock()
+	}
+	return in
+}
+
+func dupFile(f *os.File) (*os.File, error) {
+	fd, err := unix.FcntlInt(f.Fd(), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	return os.NewFile(uintptr(fd), f.Name()), nil
+}
+
+// sameFile says whether path still names the open file f.
+func sameFile(path string, f *os.File) bool {
+	var a, b unix.Stat_t
+	if unix.Stat(path, &a) != nil || unix.Fstat(int(f.Fd()), &b) != nil {
+		return false
+	}
+	return a.Dev == b.Dev && a.Ino == b.Ino
+}

@@ -1,0 +1,30 @@
+package enrol
+
+import (
+	"sort"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+
+	"github.com/nftcni/nftcni/plugin/wire"
+)
+
+// Policy computes, from the store, the snapshot the plugin falls back on
+// when the agent cannot be reached (wire.Policy).
+func (e *Enroller) Policy() *wire.Policy {
+	cfg := e.policy.Config()
+	p := &wire.Policy{Generated: time.Now().UTC(), ExcludeNamespaces: cfg.ExcludeNamespaces,
+		EnrolledNamespaces: []string{}, Pods: map[string]wire.Mode{}}
+	nss := map[string]*corev1.Namespace{}
+	for _, ns := range e.store.Namespaces() {
+		nss[ns.Name] = ns
+		if e.policy.NamespaceEnrols(ns) {
+			p.EnrolledNamespaces = append(p.EnrolledNamespaces, ns.Name)
+		}
+	}
+	sort.Strings(p.EnrolledNamespaces)
+	for _, pod := range e.store.Pods() {
+		p.Pods[pod.Namespace+"/"+pod.Name] = e.policy.Decide(pod, nss[pod.Namespace], nil).Mode
+	}
+	return p
+}

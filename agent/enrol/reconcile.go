@@ -1,0 +1,202 @@
+package enrol
+
+import (
+	"context"
+	"errors"
+	"net/netip"
+	"reflect"
+
+	corev1 "k8s.io/api/core/v1"
+
+	"github.com/nftcni/nftcni/plugin/wire"
+)
+
+// This file keeps running pods in line with the policy when the store
+// changes: late enrolment and unenrolment, done by the agent itself with
+// the netns it kept from the pod's ADD (or found through /proc), and the
+// release of pods that finished, were deleted or left the pod source.
+
+// Reconcile brings one pod in line with the policy after it, its labels,
+// its namespace's labels or its phase changed, or it disappeared.
+func (e *Enroller) Reconcile(ctx context.Context, namespace, name string) error {
+	kp := e.store.Pod(namespace, name)
+	key := namespace + "/" + name
+	var atts []*pod
+	for _, p := range e.snapshot() {
+		if p.id.Key() == key {
+			atts = append(atts, p)
+		}
+	}
+	var errs []error
+	for _, p := range atts {
+		errs = append(errs, e.reconcilePod(ctx, p, kp))
+	}
+	if len(atts) == 0 && kp != nil && !finished(kp) {
+		errs = append(errs, e.adoptIfEnrolled(ctx, kp))
+	}
+	return errors.Join(errs...)
+}
+
+// ReconcileAll reconciles every pod of the store and every pod the agent
+// tracks that the store no longer has (a static source's file removed).
+func (e *Enroller) ReconcileAll(ctx context.Context) error {
+	seen := map[string]bool{}
+	var errs []error
+	for _, kp := range e.store.Pods() {
+		key := kp.Namespace + "/" + kp.Name
+		seen[key] = true
+		errs = append(errs, e.Reconcile(ctx, kp.Namespace, kp.Name))
+	}
+	for _, p := range e.snapshot() {
+		if key := p.id.Key(); !seen[key] {
+			seen[key] = true
+			errs = append(errs, e.Reconcile(ctx, p.id.Namespace, p.id.Name))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func finished(kp *corev1.Pod) bool {
+	return kp.Status.Phase == corev1.PodSucceeded || kp.Status.Phase == corev1.PodFailed
+}
+
+// reconcilePod applies the store's view of the pod to one attachment.
+func (e *Enroller) reconcilePod(ctx context.Context, p *pod, kp *corev1.Pod) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	switch {
+	case p.gone:
+		return nil
+	case kp == nil || (string(kp.UID) != "" && p.uid != "" && string(kp.UID) != p.uid):
+		// Deleted, or replaced by a newer pod of the same name: its
+		// sandbox will not be enrolled again.
+		return e.release(ctx, p, releaseHow{why: "the pod is gone from the pod source", forget: true})
+	case finished(kp):
+		if p.enrolled() {
+			return e.release(ctx, p, releaseHow{why: "the pod finished (" + string(kp.Status.Phase) + ")"})
+		}
+		return nil
+	case p.netns == nil:
+		return nil
+	}
+	d := e.policy.Decide(kp, e.store.Namespace(kp.Namespace), p.id.IPs)
+	switch {
+	case !p.enrolled() && d.Mode == wire.ModeAmbient:
+		return e.enrolByAgent(ctx, p, d, "late enrolment")
+	case p.d.Mode == wire.ModeAmbient && d.Mode != wire.ModeAmbient:
+		return e.release(ctx, p, releaseHow{why: "unenrolled: " + d.Reason})
+	case p.d.Mode == wire.ModeAmbient && !reflect.DeepEqual(p.d.Ambient, d.Ambient):
+		return e.reprogram(ctx, p, d)
+	case p.enrolled() && p.annotationWanted:
+		if err := e.annotate(ctx, p, RedirectionEnabled); err != nil {
+			return err
+		}
+		p.annotationWanted = false
+	}
+	return nil
+}
+
+// enrolByAgent enrols a running pod, the agent programming its rules.
+func (e *Enroller) enrolByAgent(ctx context.Context, p *pod, d *wire.Decision, why string) error {
+	_, batch, err := e.batches.get(d)
+	if err != nil {
+		return err
+	}
+	if err := e.enrol(ctx, p, d, how{rules: func(context.Context) error { return e.rules.Program(p.fd(), batch) }}); err != nil {
+		return err
+	}
+	e.log.Info("pod enrolled by the agent", "pod", p.id.Key(), "mode", d.Mode, "uid", p.uid, "why", why)
+	return nil
+}
+
+// reprogram swaps an enrolled pod's ruleset for the one its annotations now
+// ask for (DNS capture, inbound bypass, virtual interfaces), in one atomic
+// replace: the pod stays captured throughout.
+func (e *Enroller) reprogram(ctx context.Context, p *pod, d *wire.Decision) error {
+	_, batch, err := e.batches.get(d)
+	if err != nil {
+		return err
+	}
+	if err := e.rules.Program(p.fd(), batch); err != nil {
+		return err
+	}
+	p.d = d
+	p.verify = verifyState{pending: true}
+	e.saveRecord(p, d)
+	e.log.Info("pod's ruleset changed with its annotations", "pod", p.id.Key(), "uid", p.uid)
+	return nil
+}
+
+// adoptIfEnrolled enrols a running pod the agent never saw an ADD for
+// (it started before the agent knew it) when the policy enrols it: its
+// netns is looked for through /proc.
+func (e *Enroller) adoptIfEnrolled(ctx context.Context, kp *corev1.Pod) error {
+	ips := podIPs(kp)
+	if len(ips) == 0 {
+		return nil
+	}
+	d := e.policy.Decide(kp, e.store.Namespace(kp.Namespace), ips)
+	if d.Mode != wire.ModeAmbient {
+		return nil
+	}
+	p, err := e.find(kp, ips)
+	if err != nil {
+		// Retrying cannot help until the pod changes.
+		e.log.Info("pod should be enrolled but its netns was not found; it is enrolled when its sandbox is next created", "pod", kp.Namespace+"/"+kp.Name, "err", err)
+		return nil
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return e.enrolByAgent(ctx, p, d, "late enrolment of a pod found through /proc")
+}
+
+// find looks for a running pod's netns through the Finder and tracks it
+// as known. Its sandbox's container ID is unknown, so the attachment is
+// named after the pod UID.
+func (e *Enroller) find(kp *corev1.Pod, ips []netip.Prefix) (*pod, error) {
+	if e.opts.Finder == nil {
+		return nil, errNoFinder
+	}
+	f, err := e.opts.Finder.Find(string(kp.UID), addrs(ips))
+	if err != nil {
+		return nil, err
+	}
+	id := wire.Pod{Namespace: kp.Namespace, Name: kp.Name, UID: string(kp.UID), IPs: ips,
+		Attachment: wire.Attachment{ContainerID: "found:" + string(kp.UID), IfName: "eth0"}}
+	p := &pod{id: id, uid: string(kp.UID), d: none("found through /proc"), netns: f}
+	e.mu.Lock()
+	old := e.pods[id.Attachment]
+	e.pods[id.Attachment] = p
+	e.mu.Unlock()
+	if old != nil {
+		old.mu.Lock()
+		if old.netns != nil {
+			old.netns.Close()
+			old.netns = nil
+		}
+		old.gone = true
+		old.mu.Unlock()
+	}
+	e.log.Info("found a running pod's netns through /proc", "pod", id.Key(), "uid", kp.UID)
+	return p, nil
+}
+
+var errNoFinder = errors.New("no netns finder (/proc scan) configured")
+
+// podIPs are the pod's addresses from its status.
+func podIPs(p *corev1.Pod) []netip.Prefix {
+	var raw []string
+	for _, ip := range p.Status.PodIPs {
+		raw = append(raw, ip.IP)
+	}
+	if len(raw) == 0 && p.Status.PodIP != "" {
+		raw = append(raw, p.Status.PodIP)
+	}
+	var out []netip.Prefix
+	for _, r := range raw {
+		if a, err := netip.ParseAddr(r); err == nil {
+			out = append(out, netip.PrefixFrom(a, a.BitLen()))
+		}
+	}
+	return out
+}

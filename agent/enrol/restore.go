@@ -1,0 +1,243 @@
+package enrol
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
+
+	"github.com/nftcni/nftcni/agent/enablement"
+	"github.com/nftcni/nftcni/agent/records"
+	"github.com/nftcni/nftcni/agent/zds"
+	"github.com/nftcni/nftcni/nft"
+	"github.com/nftcni/nftcni/plugin/wire"
+)
+
+// This file is the agent's start: what a previous agent left is taken
+// over before ztunnel may connect, so ztunnel's first snapshot holds every
+// enrolled pod and none loses capture across a restart.
+
+// Restored counts what Restore, PruneGone and AdoptAnnotated did.
+type Restored struct {
+	Restored, Gone, Pruned, Adopted, Kept, Cleared int
+}
+
+// Restore reloads the pods a previous agent recorded. Each netns is
+// reopened by its path and must still be the one recorded (same device and
+// inode; older records without them: a network namespace holding the
+// pod's address); enrolled pods are enrolled again as restored — ztunnel
+// gets them in its first snapshot, their probe set entries are kept, and
+// their rules are verified by the first verification pass, right after
+// the agent is ready. Pods whose sandbox went while no agent ran are
+// released.
+func (e *Enroller) Restore(ctx context.Context) (Restored, error) {
+	var n Restored
+	if e.opts.Records == nil {
+		return n, nil
+	}
+	recs, bad, err := e.opts.Records.Load()
+	for _, b := range bad {
+		e.log.Warn("skipping an unreadable pod record", "err", b)
+	}
+	if err != nil {
+		return n, err
+	}
+	for _, r := range recs {
+		d := r.Decision
+		if d == nil {
+			d = none("recorded without a decision")
+		}
+		p := &pod{id: r.Pod, uid: r.UID, d: d, nsDev: r.NetnsDev, nsIno: r.NetnsIno}
+		p.mu.Lock()
+		legacy := r.NetnsIno == 0
+		f, err := openRecorded(&r)
+		if err != nil {
+			e.log.Info("a pod from the previous agent is gone", "pod", r.Pod.Key(), "reason", err)
+			_ = e.release(ctx, p, releaseHow{why: "its sandbox went while no agent ran", forget: true})
+			p.mu.Unlock()
+			n.Gone++
+			continue
+		}
+		p.netns, p.pathVisible, p.nsDev, p.nsIno = f, true, r.NetnsDev, r.NetnsIno
+		e.mu.Lock()
+		e.pods[p.id.Attachment] = p
+		e.mu.Unlock()
+		switch {
+		case d.Mode != wire.ModeNone:
+			p.d = none("restored")
+			if err := e.enrol(ctx, p, d, how{rules: deferred, restored: true, recorded: !legacy}); err != nil {
+				e.log.Error("could not restore a pod's enrolment", "pod", r.Pod.Key(), "err", err)
+			}
+		case legacy:
+			e.saveRecord(p, d) // with the netns inode from now on
+		}
+		p.mu.Unlock()
+		n.Restored++
+	}
+	return n, nil
+}
+
+// deferred leaves the rules to the verifier's first pass.
+func deferred(context.Context) error { return nil }
+
+// openRecorded reopens a recorded pod's netns by path and checks it is the
+// pod's.
+func openRecorded(r *records.Record) (*os.File, error) {
+	if r.Pod.Netns == "" {
+		return nil, errors.New("no netns path recorded")
+	}
+	f, err := os.Open(r.Pod.Netns)
+	if err != nil {
+		return nil, err
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		f.Close()
+		return nil, err
+	}
+	if r.NetnsIno != 0 {
+		if st.Dev != r.NetnsDev || st.Ino != r.NetnsIno {
+			f.Close()
+			return nil, fmt.Errorf("%s names another netns now", r.Pod.Netns)
+		}
+		return f, nil
+	}
+	// A record from an agent that did not keep the inode.
+	if t, err := unix.IoctlRetInt(int(f.Fd()), unix.NS_GET_NSTYPE); err != nil || t != unix.CLONE_NEWNET {
+		f.Close()
+		return nil, fmt.Errorf("%s is not a network namespace", r.Pod.Netns)
+	}
+	if len(r.Pod.IPs) > 0 && !holds(f, r.Pod.IPs[0].Addr()) {
+		f.Close()
+		return nil, fmt.Errorf("%s no longer holds the pod's address %s", r.Pod.Netns, r.Pod.IPs[0].Addr())
+	}
+	r.NetnsDev, r.NetnsIno = st.Dev, st.Ino
+	return f, nil
+}
+
+// holds says whether the netns behind f has ip on an interface.
+func holds(f *os.File, ip netip.Addr) bool {
+	h, err := netlink.NewHandleAt(netns.NsHandle(f.Fd()))
+	if err != nil {
+		return false
+	}
+	defer h.Close()
+	as, err := h.AddrList(nil, netlink.FAMILY_ALL)
+	if err != nil {
+		return false
+	}
+	for _, a := range as {
+		if got, ok := netip.AddrFromSlice(a.IP); ok && got.Unmap() == ip.Unmap() {
+			return true
+		}
+	}
+	return false
+}
+
+// PruneGone releases the restored pods the store no longer has (deleted
+// while the agent was down, or gone from the static source): their rules
+// go from a netns that still exists, and ztunnel never sees them. Call it
+// once the store is complete, before ztunnel is served.
+func (e *Enroller) PruneGone(ctx context.Context) int {
+	n := 0
+	for _, p := range e.snapshot() {
+		kp := e.store.Pod(p.id.Namespace, p.id.Name)
+		if kp != nil && (string(kp.UID) == "" || p.uid == "" || string(kp.UID) == p.uid) {
+			continue
+		}
+		p.mu.Lock()
+		if !p.gone {
+			_ = e.release(ctx, p, releaseHow{why: "the pod is gone from the pod source", forget: true})
+			n++
+		}
+		p.mu.Unlock()
+	}
+	return n
+}
+
+// AdoptAnnotated deals with pods annotated as enrolled that Restore did not
+// bring back (no record: an agent that predates this one, a wiped run
+// dir). Their netns is looked for through /proc. A pod that should still
+// be enrolled is adopted (rules verified and repaired, in ztunnel's first
+// snapshot) or, when its netns cannot be found, kept in ztunnel's snapshot
+// without one (ZDS KeepWorkload, as istio-cni does), so ztunnel does not
+// drop a proxy that may be serving it. A pod that should no longer be
+// enrolled has its rules removed when found and its annotation cleared.
+// Call after Restore, before ztunnel is served.
+func (e *Enroller) AdoptAnnotated(ctx context.Context) (adopted, kept, cleared int) {
+	if e.opts.Annotator == nil {
+		return 0, 0, 0
+	}
+	enrolled := map[string]bool{}
+	for _, m := range e.Members() {
+		enrolled[m.Pod.Key()] = true
+	}
+	for _, kp := range e.store.Pods() {
+		key := kp.Namespace + "/" + kp.Name
+		if _, ok := kp.Annotations[enablement.AnnRedirection]; !ok || enrolled[key] {
+			continue
+		}
+		ips := podIPs(kp)
+		d := e.policy.Decide(kp, e.store.Namespace(kp.Namespace), ips)
+		p, err := e.find(kp, ips)
+		switch {
+		case d.Mode == wire.ModeAmbient && err == nil:
+			if e.adopt(ctx, p, d) == nil {
+				adopted++
+				continue
+			}
+		case d.Mode == wire.ModeAmbient:
+			if e.opts.Ztunnel != nil && kp.UID != "" {
+				info := zds.WorkloadInfo{Name: kp.Name, Namespace: kp.Namespace, ServiceAccount: kp.Spec.ServiceAccountName}
+				if info.ServiceAccount == "" {
+					info.ServiceAccount = "default"
+				}
+				e.opts.Ztunnel.Track(string(kp.UID), info, nil)
+			}
+			e.log.Warn("pod annotated as enrolled but its netns was not found; kept in ztunnel's snapshot without one", "pod", key, "err", err)
+			kept++
+			continue
+		case err == nil:
+			p.mu.Lock()
+			if rerr := e.rules.Remove(p.fd()); rerr != nil {
+				e.log.Warn("could not remove the rules of a pod no longer enrolled", "pod", key, "err", rerr)
+			}
+			p.mu.Unlock()
+		}
+		if err := e.opts.Annotator.SetRedirection(ctx, kp.Namespace, kp.Name, ""); err != nil {
+			e.log.Warn("could not clear a stale enrolment annotation", "pod", key, "err", err)
+			continue
+		}
+		cleared++
+	}
+	return adopted, kept, cleared
+}
+
+// adopt enrols a running pod found through /proc, its rules verified and
+// repaired by the agent, ztunnel getting it in its first snapshot.
+func (e *Enroller) adopt(ctx context.Context, p *pod, d *wire.Decision) error {
+	rs, batch, err := e.batches.get(d)
+	if err != nil {
+		return err
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	repair := func(context.Context) error {
+		_, err := e.rules.Check(p.fd(), rs, 0)
+		var drift *nft.DriftError
+		if errors.As(err, &drift) {
+			return e.rules.Program(p.fd(), batch)
+		}
+		return err
+	}
+	if err := e.enrol(ctx, p, d, how{rules: repair, restored: true}); err != nil {
+		e.log.Error("could not adopt a pod", "pod", p.id.Key(), "err", err)
+		return err
+	}
+	return nil
+}

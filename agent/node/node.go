@@ -1,0 +1,304 @@
+// Package node is the agent's enrolment side put together: the run dir
+// lock, the host probe table, the pod records, ztunnel's ZDS server, the
+// pod source, the enrolment state machine, the plugin socket and the
+// continuous verification, started in the one order that keeps every
+// enrolled pod captured across a restart. The command and the integration
+// tests start it the same way.
+package node
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/nftcni/nftcni/agent/enablement"
+	"github.com/nftcni/nftcni/agent/enrol"
+	"github.com/nftcni/nftcni/agent/events"
+	"github.com/nftcni/nftcni/agent/hostprobe"
+	kubesrc "github.com/nftcni/nftcni/agent/kube"
+	"github.com/nftcni/nftcni/agent/podsource"
+	"github.com/nftcni/nftcni/agent/procscan"
+	"github.com/nftcni/nftcni/agent/records"
+	"github.com/nftcni/nftcni/agent/runlock"
+	"github.com/nftcni/nftcni/agent/zds"
+	"github.com/nftcni/nftcni/nft"
+	"github.com/nftcni/nftcni/plugin/wire"
+)
+
+// Config is what the enrolment side runs with.
+type Config struct {
+	RunDir    string // sockets, policy snapshot, pod records, lock
+	HostNetns string // the host's netns, where the probe table lives
+	ProcDir   string // the host's /proc, for pods that predate the agent
+	// ZtunnelSocket is the ZDS socket; "" runs without ztunnel.
+	ZtunnelSocket string
+	IPv6          bool
+	Policy        *enablement.Policy
+
+	// Where pods come from: Kubernetes (Kube set), a static directory
+	// (StaticDir), a store filled by the caller (Store), or nothing.
+	Kube      kubernetes.Interface
+	StaticDir string
+	Store     *podsource.Store
+	NodeName  string
+
+	// VerifyEvery is the continuous verification's interval (0: off);
+	// VerifyConcurrency how many pods it checks at once.
+	VerifyEvery       time.Duration
+	VerifyConcurrency int
+	// HostGuardEvery is how often the host probe table is checked.
+	HostGuardEvery time.Duration
+	// LookupRetries bounds the wait for a pod the store does not have yet
+	// (0: enrol's default).
+	LookupRetries int
+
+	Registry prometheus.Registerer // nil: metrics not exported
+	Log      *slog.Logger
+}
+
+// Node is a running enrolment side.
+type Node struct {
+	Enroller *enrol.Enroller
+	Host     *hostprobe.Table
+	ZDS      *zds.Server // nil without ztunnel
+	Restored enrol.Restored
+
+	cancel  context.CancelFunc
+	waits   []chan struct{}
+	closers []func()
+}
+
+func (n *Node) goWait(f func()) {
+	done := make(chan struct{})
+	n.waits = append(n.waits, done)
+	go func() { defer close(done); f() }()
+}
+
+// Stop stops serving and waits for everything to finish. In-pod rules,
+// the host table, the records and ztunnel's state stay as they are: the
+// next agent takes them over. (Uninstalling removes the host table first:
+// Host.Delete.)
+func (n *Node) Stop() {
+	n.cancel()
+	for _, w := range n.waits {
+		<-w
+	}
+	if n.Enroller != nil {
+		n.Enroller.Close()
+	}
+	for i := len(n.closers) - 1; i >= 0; i-- {
+		n.closers[i]()
+	}
+}
+
+// Start brings the enrolment side up: the run dir is locked before any
+// socket is touched; the pod source is complete and the previous agent's
+// pods are restored before ztunnel may connect and get its snapshot, and
+// before the plugin is served; their rules are checked by the first
+// verification pass, once the agent serves. It returns when the plugin is
+// served.
+func Start(ctx context.Context, cfg Config) (_ *Node, err error) {
+	log := cfg.Log
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	n := &Node{cancel: cancel}
+	defer func() {
+		if err != nil {
+			n.Stop()
+		}
+	}()
+	lock, err := runlock.Acquire(cfg.RunDir)
+	if err != nil {
+		return nil, err
+	}
+	n.closers = append(n.closers, func() { lock.Release() })
+	hostNetns, err := os.Open(cfg.HostNetns)
+	if err != nil {
+		return nil, fmt.Errorf("--host-netns %s: %w (in a pod: mount the host's /proc and add CAP_SYS_PTRACE to open /host/proc/1/ns/net)", cfg.HostNetns, err)
+	}
+	n.closers = append(n.closers, func() { hostNetns.Close() })
+	capsHint := " (the agent needs CAP_NET_ADMIN, and CAP_SYS_ADMIN to enter that netns)"
+	if n.Host, err = hostprobe.Open(hostNetns, cfg.IPv6, log); err != nil {
+		return nil, fmt.Errorf("host probe table in %s: %w%s", cfg.HostNetns, err, capsHint)
+	}
+	n.closers = append(n.closers, func() { n.Host.Close() })
+	recs, err := records.Open(cfg.RunDir)
+	if err != nil {
+		return nil, fmt.Errorf("pod records in %s: %w", cfg.RunDir, err)
+	}
+	proc := cfg.ProcDir
+	if proc == "" {
+		proc = "/proc"
+	}
+	opts := enrol.Options{Policy: cfg.Policy, Log: log, Probes: n.Host, Records: recs,
+		Finder: &procscan.Scanner{Proc: proc, Host: hostNetns}, Metrics: enrol.NewMetrics(cfg.Registry),
+		LookupRetries: cfg.LookupRetries}
+	var zl *net.UnixListener
+	if cfg.ZtunnelSocket != "" {
+		if zl, err = zds.Listen(cfg.ZtunnelSocket); err != nil {
+			return nil, fmt.Errorf("ZDS socket %s: %w", cfg.ZtunnelSocket, err)
+		}
+		served := false
+		n.closers = append(n.closers, func() {
+			if !served {
+				zl.Close() // Serve owns it once it runs
+			}
+		})
+		defer func() { served = err == nil }()
+		n.ZDS = zds.NewServer(log, cfg.Registry)
+		opts.Ztunnel = n.ZDS
+	} else {
+		log.Warn("no ztunnel socket: ambient pods get their rules but no ztunnel")
+	}
+
+	// 1. The pod source, complete. The policy snapshot is rewritten at
+	// most every 100 ms: changes come in bursts (an informer's first
+	// list, a namespace of pods).
+	var e *enrol.Enroller
+	policyDirty := make(chan struct{}, 1)
+	dirty := func() {
+		select {
+		case policyDirty <- struct{}{}:
+		default:
+		}
+	}
+	var kube *kubesrc.Source
+	var static *podsource.Source
+	switch {
+	case cfg.Kube != nil:
+		kube = kubesrc.New(cfg.Kube, cfg.NodeName, cfg.Registry, log, dirty)
+		opts.Store, opts.Annotator = kube, kube
+		if err := kube.Start(ctx); err != nil {
+			return nil, fmt.Errorf("kubernetes informers: %w", err)
+		}
+		log.Info("informer caches synced", "pods-on-node", len(kube.Pods()), "namespaces", len(kube.Namespaces()))
+	case cfg.StaticDir != "":
+		store := podsource.NewStore()
+		opts.Store = store
+		static = podsource.New(cfg.StaticDir, cfg.NodeName, store, log)
+		bad, err := static.Load()
+		if err != nil {
+			return nil, fmt.Errorf("--pod-source: %w", err)
+		}
+		log.Info("enrolling from a static pod source", "dir", cfg.StaticDir, "pods", len(store.Pods()), "namespaces", len(store.Namespaces()), "files-skipped", len(bad))
+	case cfg.Store != nil:
+		opts.Store = cfg.Store
+	default:
+		opts.Store = podsource.NewStore()
+		log.Warn("no pod source (no --kubeconfig, not in a cluster, no --pod-source): the agent knows no pods, so every pod passes through un-enrolled")
+	}
+	e = enrol.New(opts)
+	n.Enroller = e
+	writePolicy := func() {
+		if err := events.WritePolicy(cfg.RunDir, e.Policy()); err != nil {
+			log.Error("could not write the policy snapshot the plugin falls back on", "path", filepath.Join(cfg.RunDir, wire.PolicyName), "err", err)
+		}
+	}
+	n.goWait(func() {
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-policyDirty:
+			}
+			time.Sleep(100 * time.Millisecond)
+			select {
+			case <-policyDirty:
+			default:
+			}
+			writePolicy()
+		}
+	})
+
+	// 2. The previous agent's pods: netns reopened, enrolments restored.
+	if n.Restored, err = e.Restore(ctx); err != nil {
+		log.Error("could not read the previous agent's pod records; pods enrolled before this start are not restored", "err", err)
+	}
+	r := &n.Restored
+	r.Pruned = e.PruneGone(ctx)
+	r.Adopted, r.Kept, r.Cleared = e.AdoptAnnotated(ctx)
+	log.Info("pods restored from the previous agent", "restored", r.Restored, "sandbox-gone", r.Gone, "pod-gone", r.Pruned,
+		"adopted-through-proc", r.Adopted, "kept-without-netns", r.Kept, "stale-annotations-cleared", r.Cleared)
+
+	// 3. The host probe table (exactly the restored members), then
+	// ztunnel, the pod source's changes, and the plugin.
+	if _, err := n.Host.Assert(e.ProbeMembers(), false); err != nil {
+		return nil, fmt.Errorf("host probe table in %s: %w%s", cfg.HostNetns, err, capsHint)
+	}
+	log.Info("host probe SNAT table in place", "netns", cfg.HostNetns, "table", "inet "+nft.HostTable)
+	guard := cfg.HostGuardEvery
+	if guard <= 0 {
+		guard = 10 * time.Second
+	}
+	n.goWait(func() { n.Host.Guard(ctx, guard) })
+	if n.ZDS != nil {
+		n.goWait(func() { _ = n.ZDS.Serve(ctx, zl) })
+		log.Info("serving ztunnel (ZDS)", "socket", cfg.ZtunnelSocket, "snapshot", len(n.ZDS.Known()))
+	}
+	switch {
+	case kube != nil:
+		n.goWait(func() { kube.Run(ctx, e.Reconcile) })
+	case static != nil:
+		changed := make(chan struct{}, 1)
+		changed <- struct{}{} // what changed while no agent ran
+		n.goWait(func() { reconcileOnChange(ctx, e, changed, log) })
+		n.goWait(func() {
+			err := static.Watch(ctx, func() {
+				dirty()
+				select {
+				case changed <- struct{}{}:
+				default:
+				}
+			})
+			if err != nil {
+				log.Error("cannot watch the pod source; it will not be reloaded", "dir", cfg.StaticDir, "err", err)
+			}
+		})
+	}
+	writePolicy()
+	sock := filepath.Join(cfg.RunDir, wire.SocketName)
+	l, err := events.Listen(sock)
+	if err != nil {
+		return nil, fmt.Errorf("plugin socket %s: %w", sock, err)
+	}
+	srv := events.NewServer(e, log, events.NewMetrics(cfg.Registry))
+	n.goWait(func() { _ = srv.Serve(ctx, l) })
+	log.Info("serving the plugin", "socket", sock, "policy-snapshot", filepath.Join(cfg.RunDir, wire.PolicyName))
+	if cfg.VerifyEvery > 0 {
+		n.goWait(func() { e.Verify(ctx, cfg.VerifyEvery, cfg.VerifyConcurrency) })
+		log.Info("verifying every enrolled pod's ruleset", "interval", cfg.VerifyEvery, "concurrency", cfg.VerifyConcurrency)
+	} else {
+		log.Warn("continuous verification is off: a changed pod ruleset is found only by the next agent start")
+	}
+	return n, nil
+}
+
+// reconcileOnChange re-evaluates every pod whenever the pod source
+// changed, and again every 2 s while some could not be brought in line (a
+// late enrolment waiting for ztunnel, say).
+func reconcileOnChange(ctx context.Context, e *enrol.Enroller, changed <-chan struct{}, log *slog.Logger) {
+	var retry <-chan time.Time
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-changed:
+		case <-retry:
+		}
+		retry = nil
+		if err := e.ReconcileAll(ctx); err != nil && !errors.Is(err, context.Canceled) {
+			log.Warn("some pods are not in line with the pod source yet; retrying in 2s", "err", err)
+			retry = time.After(2 * time.Second)
+		}
+	}
+}

@@ -1,0 +1,124 @@
+// Package records keeps the agent's record of the pods it knows: one small
+// JSON file per pod attachment under <run dir>/pods. A restarted agent
+// reads them to find every pod's netns again, give ztunnel a full snapshot
+// and re-check each pod's rules, so no pod loses capture across a restart.
+// One file per attachment keeps each ADD's write small whatever the number
+// of pods.
+package records
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+
+	"github.com/nftcni/nftcni/plugin/wire"
+)
+
+// DirName is the records' dir under the run dir.
+const DirName = "pods"
+
+// Record is what the agent keeps on disk about one pod attachment.
+type Record struct {
+	Pod wire.Pod `json:"pod"`
+	UID string   `json:"uid"`
+	// Decision is what the pod got; mode none: known, not enrolled.
+	Decision *wire.Decision `json:"decision"`
+	// NetnsDev and NetnsIno identify the netns Pod.Netns named when the pod
+	// was recorded, so a restarted agent tells the pod's netns from a
+	// reused path by one stat instead of entering each netns.
+	NetnsDev uint64 `json:"netnsDev,omitempty"`
+	NetnsIno uint64 `json:"netnsIno,omitempty"`
+}
+
+// Dir is the records of one run dir.
+type Dir struct{ dir string }
+
+// Open makes the records dir (mode 0700) and removes the temp files a
+// crash left behind.
+func Open(runDir string) (*Dir, error) {
+	d := &Dir{dir: filepath.Join(runDir, DirName)}
+	if err := os.MkdirAll(d.dir, 0o700); err != nil {
+		return nil, err
+	}
+	tmps, _ := filepath.Glob(filepath.Join(d.dir, "*.tmp"))
+	for _, t := range tmps {
+		_ = os.Remove(t)
+	}
+	return d, nil
+}
+
+func (d *Dir) path(a wire.Attachment) string {
+	sum := sha256.Sum256([]byte(a.ContainerID + "/" + a.IfName))
+	return filepath.Join(d.dir, hex.EncodeToString(sum[:12])+".json")
+}
+
+// Save writes r in place of the attachment's record. A process crash
+// leaves the old file or the new one (rename); it is not fsynced, because
+// a machine crash restarts every pod anyway.
+func (d *Dir) Save(r *Record) error {
+	b, err := json.Marshal(r)
+	if err != nil {
+		return err
+	}
+	path := d.path(r.Pod.Attachment)
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, b, 0o600); err != nil {
+		return fmt.Errorf("recording pod %s: %w", r.Pod.Key(), err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		_ = os.Remove(tmp)
+		return fmt.Errorf("recording pod %s: %w", r.Pod.Key(), err)
+	}
+	return nil
+}
+
+// Drop removes the attachment's record; none is fine.
+func (d *Dir) Drop(a wire.Attachment) error {
+	if err := os.Remove(d.path(a)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	return nil
+}
+
+// Load reads every record; bad lists the files that could not be read.
+func (d *Dir) Load() (recs []Record, bad []error, err error) { return read(d.dir) }
+
+// Read reads the records under runDir without changing anything (for
+// inspect, which may run beside the agent).
+func Read(runDir string) (recs []Record, bad []error, err error) {
+	return read(filepath.Join(runDir, DirName))
+}
+
+func read(dir string) (recs []Record, bad []error, err error) {
+	ents, err := os.ReadDir(dir)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil, nil
+	}
+	if err != nil {
+		return nil, nil, err
+	}
+	for _, e := range ents {
+		if filepath.Ext(e.Name()) != ".json" {
+			continue
+		}
+		p := filepath.Join(dir, e.Name())
+		b, err := os.ReadFile(p)
+		var r Record
+		if err == nil {
+			err = json.Unmarshal(b, &r)
+		}
+		if err == nil && r.Pod.ContainerID == "" {
+			err = errors.New("no attachment")
+		}
+		if err != nil {
+			bad = append(bad, fmt.Errorf("%s: %w", p, err))
+			continue
+		}
+		recs = append(recs, r)
+	}
+	return recs, bad, nil
+}

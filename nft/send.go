@@ -1,0 +1,267 @@
+package nft
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"runtime"
+	"strings"
+
+	"golang.org/x/sys/unix"
+)
+
+// Program writes b into the netns behind fd (0: the caller's own): the
+// nf_tables transaction in one send with one ack and, when the table is
+// already there, once more as an atomic replace; then the policy routes in
+// one send with one ack. This is the whole cost of programming a pod, and
+// it uses nothing but the socket calls, so a freshly exec'd plugin pays
+// for little more than the kernel's own work.
+func Program(fd int, b *Batch) error {
+	protos := []int{unix.NETLINK_NETFILTER}
+	if len(b.Routes) > 0 {
+		protos = append(protos, unix.NETLINK_ROUTE)
+	}
+	socks, err := dialIn(fd, protos...)
+	if err != nil {
+		return err
+	}
+	defer closeAll(socks)
+	err = talk(socks[0], b.Tables, nil)
+	if errors.Is(err, unix.EEXIST) && len(b.Replace) > 0 {
+		err = talk(socks[0], spliceReplace(b.Tables, b.Replace), nil)
+	}
+	if err != nil {
+		return fmt.Errorf("nf_tables transaction: %w", err)
+	}
+	if len(b.Routes) > 0 {
+		if err := talk(socks[1], b.Routes, ruleExists); err != nil {
+			return fmt.Errorf("policy routes: %w", err)
+		}
+	}
+	return nil
+}
+
+// Remove deletes what a RemovalBatch names; whatever is already gone is
+// not an error.
+func Remove(fd int, r *RemovalBatch) error {
+	protos := []int{unix.NETLINK_NETFILTER}
+	if len(r.Routes) > 0 {
+		protos = append(protos, unix.NETLINK_ROUTE)
+	}
+	socks, err := dialIn(fd, protos...)
+	if err != nil {
+		return err
+	}
+	defer closeAll(socks)
+	var errs []error
+	for _, t := range r.Tables {
+		if err := talk(socks[0], t, gone); err != nil {
+			errs = append(errs, fmt.Errorf("deleting a table: %w", err))
+		}
+	}
+	if len(r.Routes) > 0 {
+		if err := talk(socks[1], r.Routes, gone); err != nil {
+			errs = append(errs, fmt.Errorf("deleting policy routes: %w", err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// spliceReplace puts the replace messages right after the batch begin.
+func spliceReplace(tables, replace []byte) []byte {
+	begin := int(binary.NativeEndian.Uint32(tables))
+	out := make([]byte, 0, len(tables)+len(replace))
+	out = append(out, tables[:begin]...)
+	out = append(out, replace...)
+	return append(out, tables[begin:]...)
+}
+
+// ruleExists accepts an identical `ip rule` already in place (re-ADD).
+func ruleExists(typ uint16, errno unix.Errno) bool {
+	return errno == unix.EEXIST && typ == unix.RTM_NEWRULE
+}
+
+// gone accepts deleting what is not there.
+func gone(_ uint16, errno unix.Errno) bool {
+	return errno == unix.ENOENT || errno == unix.ESRCH
+}
+
+// dialIn opens one netlink socket per protocol inside the netns behind fd,
+// entering it once for all of them. A socket stays in the netns it was
+// made in. The switch happens on a thread of its own, locked for the
+// purpose; if the thread could not switch back it is left locked, so the
+// Go runtime retires it rather than run other work in the pod's netns.
+func dialIn(fd int, protos ...int) ([]int, error) {
+	if fd == 0 {
+		return openSockets(protos)
+	}
+	type res struct {
+		socks []int
+		err   error
+	}
+	done := make(chan res, 1)
+	go func() {
+		runtime.LockOSThread()
+		self, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			runtime.UnlockOSThread()
+			done <- res{err: fmt.Errorf("opening this thread's netns: %w", err)}
+			return
+		}
+		defer unix.Close(self)
+		if err := unix.Setns(fd, unix.CLONE_NEWNET); err != nil {
+			runtime.UnlockOSThread()
+			done <- res{err: fmt.Errorf("entering the pod's netns: %w", err)}
+			return
+		}
+		socks, err := openSockets(protos)
+		if serr := unix.Setns(self, unix.CLONE_NEWNET); serr != nil {
+			closeAll(socks)
+			done <- res{err: fmt.Errorf("leaving the pod's netns: %w", serr)}
+			return // still locked: this thread ends with the goroutine
+		}
+		runtime.UnlockOSThread()
+		done <- res{socks, err}
+	}()
+	r := <-done
+	return r.socks, r.err
+}
+
+func openSockets(protos []int) ([]int, error) {
+	var socks []int
+	for _, p := range protos {
+		s, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, p)
+		if err != nil {
+			closeAll(socks)
+			return nil, fmt.Errorf("netlink socket: %w", err)
+		}
+		socks = append(socks, s)
+		// Errors come back with the kernel's explanation and without a
+		// copy of the (possibly long) message that failed.
+		_ = unix.SetsockoptInt(s, unix.SOL_NETLINK, unix.NETLINK_EXT_ACK, 1)
+		_ = unix.SetsockoptInt(s, unix.SOL_NETLINK, unix.NETLINK_CAP_ACK, 1)
+		// The kernel answers before sendto returns; this only bounds a
+		// message that never gets its ack.
+		_ = unix.SetsockoptTimeval(s, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &unix.Timeval{Sec: 2})
+	}
+	return socks, nil
+}
+
+func closeAll(socks []int) {
+	for _, s := range socks {
+		unix.Close(s)
+	}
+}
+
+// NetlinkError is an error the kernel answered a message with.
+type NetlinkError struct {
+	Errno unix.Errno
+	// Type is the message type that failed (e.g. NFT_MSG_NEWRULE).
+	Type uint16
+	// Msg is the kernel's extended ack message, when it gave one.
+	Msg string
+}
+
+func (e *NetlinkError) Error() string {
+	s := fmt.Sprintf("%s (message type %#x)", e.Errno.Error(), e.Type)
+	if e.Msg != "" {
+		s += ": " + e.Msg
+	}
+	return s
+}
+
+func (e *NetlinkError) Unwrap() error { return e.Errno }
+
+// talk sends msgs in one sendto and reads the answers until the one ack
+// asked for (the message flagged NLM_F_ACK) or an error that accept does
+// not take: every error is reported before that ack, in message order.
+func talk(s int, msgs []byte, accept func(typ uint16, errno unix.Errno) bool) error {
+	ackSeq, types, err := scan(msgs)
+	if err != nil {
+		return err
+	}
+	if err := unix.Sendto(s, msgs, 0, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
+		return fmt.Errorf("sendto: %w", err)
+	}
+	var buf [8192]byte
+	for {
+		n, _, err := unix.Recvfrom(s, buf[:], 0)
+		if errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("waiting for the kernel's ack: %w", err)
+		}
+		for b := buf[:n]; len(b) >= unix.SizeofNlMsghdr; {
+			l := int(binary.NativeEndian.Uint32(b))
+			if l < unix.SizeofNlMsghdr || l > len(b) {
+				return errors.New("malformed netlink answer")
+			}
+			m := b[:l]
+			b = b[min(nlmAlign(l), len(b)):]
+			if binary.NativeEndian.Uint16(m[4:]) != unix.NLMSG_ERROR || l < unix.SizeofNlMsghdr+4+unix.SizeofNlMsghdr {
+				continue // nothing else is asked for
+			}
+			errno := unix.Errno(-int32(binary.NativeEndian.Uint32(m[16:])))
+			seq := binary.NativeEndian.Uint32(m[20+8:])
+			if errno != 0 && (accept == nil || !accept(types[seq], errno)) {
+				return &NetlinkError{Errno: errno, Type: types[seq], Msg: extAck(m)}
+			}
+			if seq == ackSeq {
+				return nil
+			}
+		}
+	}
+}
+
+// scan reads the headers of msgs: the sequence number of the message that
+// asks for an ack, and every message's type by sequence number.
+func scan(msgs []byte) (uint32, map[uint32]uint16, error) {
+	types := map[uint32]uint16{}
+	var ack uint32
+	found := false
+	for b := msgs; len(b) > 0; {
+		if len(b) < unix.SizeofNlMsghdr {
+			return 0, nil, errors.New("truncated netlink batch")
+		}
+		l := int(binary.NativeEndian.Uint32(b))
+		if l < unix.SizeofNlMsghdr || l > len(b) {
+			return 0, nil, errors.New("malformed netlink batch")
+		}
+		seq := binary.NativeEndian.Uint32(b[8:])
+		types[seq] = binary.NativeEndian.Uint16(b[4:])
+		if binary.NativeEndian.Uint16(b[6:])&unix.NLM_F_ACK != 0 {
+			ack, found = seq, true
+		}
+		b = b[min(nlmAlign(l), len(b)):]
+	}
+	if !found {
+		return 0, nil, errors.New("netlink batch asks for no ack")
+	}
+	return ack, types, nil
+}
+
+func nlmAlign(l int) int { return (l + unix.NLMSG_ALIGNTO - 1) &^ (unix.NLMSG_ALIGNTO - 1) }
+
+// extAck returns the NLMSGERR_ATTR_MSG text of an error answer, if any.
+func extAck(m []byte) string {
+	if binary.NativeEndian.Uint16(m[6:])&unix.NLM_F_ACK_TLVS == 0 {
+		return ""
+	}
+	off := unix.SizeofNlMsghdr + 4 + unix.SizeofNlMsghdr // header, errno, the request's header (capped)
+	if binary.NativeEndian.Uint16(m[6:])&unix.NLM_F_CAPPED == 0 {
+		off = unix.SizeofNlMsghdr + 4 + int(binary.NativeEndian.Uint32(m[20:]))
+	}
+	for off+4 <= len(m) {
+		l := int(binary.NativeEndian.Uint16(m[off:]))
+		typ := binary.NativeEndian.Uint16(m[off+2:])
+		if l < 4 || off+l > len(m) {
+			break
+		}
+		if typ == unix.NLMSGERR_ATTR_MSG {
+			return strings.TrimRight(string(m[off+4:off+l]), "\x00")
+		}
+		off += (l + 3) &^ 3
+	}
+	return ""
+}
