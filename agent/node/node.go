@@ -62,6 +62,9 @@ type Config struct {
 
 	Registry prometheus.Registerer // nil: metrics not exported
 	Log      *slog.Logger
+	// Lock is the run dir's lock when the caller took it already (the
+	// command takes it before anything else); nil: Start takes it.
+	Lock *runlock.Lock
 }
 
 // Node is a running enrolment side.
@@ -117,11 +120,13 @@ func Start(ctx context.Context, cfg Config) (_ *Node, err error) {
 			n.Stop()
 		}
 	}()
-	lock, err := runlock.Acquire(cfg.RunDir)
-	if err != nil {
-		return nil, err
+	if cfg.Lock == nil {
+		lock, err := runlock.Acquire(cfg.RunDir)
+		if err != nil {
+			return nil, err
+		}
+		n.closers = append(n.closers, func() { lock.Release() })
 	}
-	n.closers = append(n.closers, func() { lock.Release() })
 	hostNetns, err := os.Open(cfg.HostNetns)
 	if err != nil {
 		return nil, fmt.Errorf("--host-netns %s: %w (in a pod: mount the host's /proc and add CAP_SYS_PTRACE to open /host/proc/1/ns/net)", cfg.HostNetns, err)

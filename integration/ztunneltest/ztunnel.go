@@ -58,6 +58,7 @@ type Ztunnel struct {
 	mu     sync.Mutex
 	pods   map[string]*Pod
 	refuse map[string]string // uid -> error to ack Add with
+	seen   []Event           // every request, in order
 }
 
 // Connect dials the agent's ZDS socket (retrying for a while, as ztunnel
@@ -129,6 +130,13 @@ func (z *Ztunnel) Pod(uid string) *Pod {
 	return z.pods[uid]
 }
 
+// Seen lists every request received so far, in order.
+func (z *Ztunnel) Seen() []Event {
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	return append([]Event(nil), z.seen...)
+}
+
 // UIDs lists the workloads ztunnel holds.
 func (z *Ztunnel) UIDs() []string {
 	z.mu.Lock()
@@ -192,11 +200,19 @@ func (z *Ztunnel) handle(b []byte, fds []int) string {
 	// The event goes out once the request is applied, so a reader sees the
 	// pod's listeners in place.
 	defer func() {
+		e := Event{Kind: r.Kind, UID: r.UID, Info: r.Info, FDs: len(fds)}
+		z.mu.Lock()
+		z.seen = append(z.seen, e)
+		z.mu.Unlock()
 		select {
-		case z.events <- Event{Kind: r.Kind, UID: r.UID, Info: r.Info, FDs: len(fds)}:
+		case z.events <- e:
 		default: // nobody is reading: drop, never block the protocol
 		}
 	}()
+	if (r.Kind == zds.KindAdd || r.Kind == zds.KindDel || r.Kind == zds.KindKeep) && r.UID == "" {
+		closeFDs(fds)
+		return "workload uid is required" // as ztunnel refuses it
+	}
 	if r.Kind != zds.KindAdd {
 		closeFDs(fds)
 		if len(fds) > 0 {

@@ -15,6 +15,7 @@ import (
 
 	"github.com/nftcni/nftcni/agent/enablement"
 	"github.com/nftcni/nftcni/agent/node"
+	"github.com/nftcni/nftcni/agent/runlock"
 	"github.com/nftcni/nftcni/agent/zds"
 )
 
@@ -89,13 +90,13 @@ func (a *ambientFlags) restConfig() (*rest.Config, error) {
 
 // startNode starts the enrolment side (package node) with the flags' settings,
 // and returns the Kubernetes client when pods come from Kubernetes.
-func startNode(ctx context.Context, c *common, a *ambientFlags, policy *enablement.Policy, reg prometheus.Registerer, log *slog.Logger) (*node.Node, kubernetes.Interface, error) {
+func startNode(ctx context.Context, c *common, a *ambientFlags, policy *enablement.Policy, lock *runlock.Lock, reg prometheus.Registerer, log *slog.Logger) (*node.Node, kubernetes.Interface, error) {
 	src, err := a.source()
 	if err != nil {
 		return nil, nil, err
 	}
 	cfg := node.Config{RunDir: c.runDir, HostNetns: a.hostNetns, ProcDir: a.procDir, IPv6: a.ipv6, Policy: policy,
-		NodeName: a.nodeName, VerifyEvery: a.verifyEvery, VerifyConcurrency: a.verifyConcurrency, Registry: reg, Log: log}
+		NodeName: a.nodeName, VerifyEvery: a.verifyEvery, VerifyConcurrency: a.verifyConcurrency, Registry: reg, Log: log, Lock: lock}
 	if a.ztunnelSocket != "none" {
 		cfg.ZtunnelSocket = a.ztunnelSocket
 	}

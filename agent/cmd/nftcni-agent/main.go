@@ -31,6 +31,7 @@ import (
 	"github.com/nftcni/nftcni/agent/health"
 	"github.com/nftcni/nftcni/agent/install"
 	kubesrc "github.com/nftcni/nftcni/agent/kube"
+	"github.com/nftcni/nftcni/agent/runlock"
 	"github.com/nftcni/nftcni/plugin/wire"
 	"github.com/nftcni/nftcni/templates"
 )
@@ -212,6 +213,14 @@ func runCmd(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
+	// One agent per run dir, before anything is touched: a second one would
+	// replace the live sockets (ztunnel staying with the first) and remove
+	// them when it stops.
+	lock, err := runlock.Acquire(c.runDir)
+	if err != nil {
+		return err
+	}
+	defer lock.Release()
 	log.Info("nftcni-agent starting", "version", version, "mode", c.mode, "cni-conf-dir", c.confDir,
 		"cni-bin-dir", c.bins(), "plugin-binary", c.plugin(), "run-dir", c.runDir, "on-exit", onExit)
 	selectors := "Istio's defaults (istio.io/dataplane-mode=ambient on pod or namespace)"
@@ -245,7 +254,7 @@ func runCmd(ctx context.Context, args []string) error {
 
 	// The plugin's endpoint comes up before the plugin is installed, so the
 	// first pod after installation already finds the agent.
-	n, kube, err := startNode(ctx, c, a, policy, reg, log)
+	n, kube, err := startNode(ctx, c, a, policy, lock, reg, log)
 	if err != nil {
 		return err
 	}
