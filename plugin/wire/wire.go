@@ -90,8 +90,16 @@ type Message struct {
 	Valid []Attachment `json:"valid,omitempty"`
 	// Logs: outcome, del and log, one JSON object per record.
 	Logs []json.RawMessage `json:"logs,omitempty"`
+	// Timings: outcome, where the plugin's time went, for the agent's log.
+	Timings *Timings `json:"timings,omitempty"`
 	// Inspect: the answer to inspect.
 	Inspect *Inspect `json:"inspect,omitempty"`
+}
+
+// Timings are milliseconds from the plugin's start.
+type Timings struct {
+	Decided    float64 `json:"decided_ms"`    // the agent's decision arrived
+	Programmed float64 `json:"programmed_ms"` // the batch was in the kernel
 }
 
 // Inspect is what the running agent knows of a pod beyond its record.
@@ -202,7 +210,7 @@ func Decode(b []byte) (*Message, error) {
 	if err := d.Decode(m); err != nil {
 		return nil, fmt.Errorf("decoding message: %w", err)
 	}
-	if d.More() {
+	if len(bytes.TrimSpace(b[d.InputOffset():])) > 0 {
 		return nil, errors.New("decoding message: trailing data after the object")
 	}
 	switch m.Kind {

@@ -1,0 +1,165 @@
+package wire
+
+import (
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+
+	"github.com/tidwall/gjson"
+
+	"github.com/nftcni/nftcni/nft"
+)
+
+// The plugin's ADD path writes and reads its messages with gjson instead
+// of encoding/json: the plugin is exec'd for every pod sandbox, and the
+// first use of encoding/json's reflection costs a fresh process about 25
+// page faults (0.2 ms here). The bytes are the same JSON the agent decodes
+// with Decode; tests check the two codecs agree message for message.
+
+// AppendAdd appends the add message for p.
+func AppendAdd(b []byte, p *Pod) []byte {
+	b = append(b, `{"kind":"add","pod":{"namespace":`...)
+	b = gjson.AppendJSONString(b, p.Namespace)
+	b = append(b, `,"name":`...)
+	b = gjson.AppendJSONString(b, p.Name)
+	if p.UID != "" {
+		b = append(b, `,"uid":`...)
+		b = gjson.AppendJSONString(b, p.UID)
+	}
+	b = append(b, `,"containerID":`...)
+	b = gjson.AppendJSONString(b, p.ContainerID)
+	b = append(b, `,"ifname":`...)
+	b = gjson.AppendJSONString(b, p.IfName)
+	if len(p.IPs) > 0 {
+		b = append(b, `,"ips":[`...)
+		for i, ip := range p.IPs {
+			if i > 0 {
+				b = append(b, ',')
+			}
+			b = gjson.AppendJSONString(b, ip.String())
+		}
+		b = append(b, ']')
+	}
+	if p.Netns != "" {
+		b = append(b, `,"netns":`...)
+		b = gjson.AppendJSONString(b, p.Netns)
+	}
+	if p.Annotations != nil {
+		b = append(b, `,"annotations":{`...)
+		first := true
+		for k, v := range p.Annotations {
+			if !first {
+				b = append(b, ',')
+			}
+			first = false
+			b = gjson.AppendJSONString(b, k)
+			b = append(b, ':')
+			b = gjson.AppendJSONString(b, v)
+		}
+		b = append(b, '}')
+	}
+	return append(b, "}}"...)
+}
+
+// AppendOutcome appends an outcome message: errText "" when the batch is
+// in place; logs are JSON records, as the plugin's slog handler writes
+// them.
+func AppendOutcome(b []byte, errText string, logs []json.RawMessage, t *Timings) []byte {
+	b = append(b, `{"kind":"outcome"`...)
+	if errText != "" {
+		b = append(b, `,"error":`...)
+		b = gjson.AppendJSONString(b, errText)
+	}
+	if len(logs) > 0 {
+		b = append(b, `,"logs":[`...)
+		for i, l := range logs {
+			if i > 0 {
+				b = append(b, ',')
+			}
+			b = append(b, l...)
+		}
+		b = append(b, ']')
+	}
+	if t != nil {
+		b = append(b, `,"timings":{"decided_ms":`...)
+		b = strconv.AppendFloat(b, t.Decided, 'f', -1, 64)
+		b = append(b, `,"programmed_ms":`...)
+		b = strconv.AppendFloat(b, t.Programmed, 'f', -1, 64)
+		b = append(b, '}')
+	}
+	return append(b, '}')
+}
+
+// Reply is an agent's answer as the plugin's ADD reads it.
+type Reply struct {
+	Kind  Kind
+	Error string
+	// Mode and Reason: decision.
+	Mode   Mode
+	Reason string
+	// Batch: decision, for an enrolled pod.
+	Batch *nft.Batch
+}
+
+// ParseReply reads a decision, done or error message, refusing what Decode
+// would refuse.
+func ParseReply(b []byte) (*Reply, error) {
+	if len(b) > MaxMessage {
+		return nil, fmt.Errorf("message of %d bytes exceeds the %d-byte limit", len(b), MaxMessage)
+	}
+	if !gjson.ValidBytes(b) {
+		return nil, errors.New("decoding message: not valid JSON")
+	}
+	m := gjson.ParseBytes(b)
+	if !m.IsObject() {
+		return nil, errors.New("decoding message: not a JSON object")
+	}
+	r := &Reply{Kind: Kind(m.Get("kind").String()), Error: m.Get("error").String()}
+	switch r.Kind {
+	case KindDone, KindError:
+		return r, nil
+	case KindDecision:
+	default:
+		return nil, fmt.Errorf("unexpected message kind %q", r.Kind)
+	}
+	d := m.Get("decision")
+	if !d.IsObject() {
+		return nil, errors.New("decision message without a decision")
+	}
+	r.Mode, r.Reason = Mode(d.Get("mode").String()), d.Get("reason").String()
+	switch r.Mode {
+	case ModeNone:
+		return r, nil
+	case ModeAmbient, ModeSidecar:
+	default:
+		return nil, fmt.Errorf("decision message: unknown mode %q", r.Mode)
+	}
+	bt := m.Get("batch")
+	bytes := func(key string) ([]byte, error) {
+		v := bt.Get(key)
+		if !v.Exists() || v.Type == gjson.Null {
+			return nil, nil
+		}
+		if v.Type != gjson.String {
+			return nil, fmt.Errorf("decision message: batch.%s is not base64 text", key)
+		}
+		return base64.StdEncoding.DecodeString(v.Str)
+	}
+	r.Batch = &nft.Batch{}
+	var err error
+	if r.Batch.Tables, err = bytes("tables"); err != nil {
+		return nil, err
+	}
+	if r.Batch.Replace, err = bytes("replace"); err != nil {
+		return nil, err
+	}
+	if r.Batch.Routes, err = bytes("routes"); err != nil {
+		return nil, err
+	}
+	if len(r.Batch.Tables) == 0 {
+		return nil, fmt.Errorf("decision message: %s without a batch to program", r.Mode)
+	}
+	return r, nil
+}

@@ -1,0 +1,116 @@
+package wire
+
+import (
+	"bytes"
+	"encoding/json"
+	"net/netip"
+	"reflect"
+	"testing"
+
+	"github.com/nftcni/nftcni/nft"
+)
+
+// The plugin's gjson codec and the agent's encoding/json one read and
+// write the same messages.
+
+func TestAppendAddDecodes(t *testing.T) {
+	for _, p := range []*Pod{
+		{Namespace: "ns", Name: "p", Attachment: Attachment{ContainerID: "c", IfName: "eth0"}},
+		{Namespace: "n\"s", Name: "p\\q\u00e9\u2028", UID: "u-1", Attachment: Attachment{ContainerID: "c1", IfName: "net1"},
+			IPs:   []netip.Prefix{netip.MustParsePrefix("10.0.0.5/24"), netip.MustParsePrefix("fd00::5/64")},
+			Netns: "/var/run/netns/cni-1", Annotations: map[string]string{"sidecar.istio.io/status": `{"containers":["istio-proxy"]}`, "a": "\x01"}},
+		{Namespace: "ns", Name: "p", Attachment: Attachment{ContainerID: "c", IfName: "eth0"}, Annotations: map[string]string{}},
+	} {
+		b := AppendAdd(nil, p)
+		m, err := Decode(b)
+		if err != nil {
+			t.Fatalf("%s: %v", b, err)
+		}
+		if m.Kind != KindAdd || !reflect.DeepEqual(m.Pod, p) {
+			t.Errorf("AppendAdd round trip:\n got %+v\nwant %+v\n%s", m.Pod, p, b)
+		}
+	}
+}
+
+func TestAppendOutcomeDecodes(t *testing.T) {
+	for _, tc := range []struct {
+		err  string
+		logs []json.RawMessage
+		t    *Timings
+	}{
+		{"", nil, &Timings{Decided: 1.25, Programmed: 2.5}},
+		{"nf_tables transaction: \"file exists\"", []json.RawMessage{json.RawMessage(`{"level":"WARN","msg":"x"}`)}, nil},
+	} {
+		b := AppendOutcome(nil, tc.err, tc.logs, tc.t)
+		m, err := Decode(b)
+		if err != nil {
+			t.Fatalf("%s: %v", b, err)
+		}
+		if m.Kind != KindOutcome || m.Error != tc.err || !reflect.DeepEqual(m.Logs, tc.logs) || !reflect.DeepEqual(m.Timings, tc.t) {
+			t.Errorf("AppendOutcome round trip: %+v from %s", m, b)
+		}
+	}
+}
+
+func TestParseReplyAgreesWithDecode(t *testing.T) {
+	batch := &nft.Batch{Tables: []byte{1, 2, 3, 0xff}, Replace: []byte{4}, Routes: []byte{5}}
+	for _, m := range []*Message{
+		{Kind: KindDecision, Decision: &Decision{Mode: ModeNone, Reason: "no selector matches"}},
+		{Kind: KindDecision, Decision: &Decision{Mode: ModeAmbient, Reason: "r", Ambient: &nft.AmbientSpec{DNSCapture: true}}, Batch: batch},
+		{Kind: KindDecision, Decision: &Decision{Mode: ModeSidecar}, Batch: &nft.Batch{Tables: []byte{9}}},
+		{Kind: KindDone},
+		{Kind: KindError, Error: "pod x is not in the agent's cache"},
+	} {
+		b, err := Encode(m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		r, err := ParseReply(b)
+		if err != nil {
+			t.Fatalf("%s: %v", b, err)
+		}
+		want := &Reply{Kind: m.Kind, Error: m.Error}
+		if m.Decision != nil {
+			want.Mode, want.Reason, want.Batch = m.Decision.Mode, m.Decision.Reason, m.Batch
+		}
+		if !reflect.DeepEqual(r, want) {
+			t.Errorf("ParseReply(%s) = %+v, want %+v", b, r, want)
+		}
+	}
+}
+
+// FuzzParseReply: whatever ParseReply accepts, Decode accepts as the same
+// message; what Decode accepts as a reply, ParseReply accepts.
+func FuzzParseReply(f *testing.F) {
+	for _, s := range []string{`{"kind":"done"}`, `{"kind":"error","error":"x"}`,
+		`{"kind":"decision","decision":{"mode":"none","reason":"r"}}`,
+		`{"kind":"decision","decision":{"mode":"ambient"},"batch":{"tables":"AQID","routes":"BA=="}}`,
+		`{"kind":"decision","decision":{"mode":"sidecar"},"batch":{"tables":""}}`} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		r, rerr := ParseReply(b)
+		m, derr := Decode(b)
+		reply := derr == nil && (m.Kind == KindDecision || m.Kind == KindDone || m.Kind == KindError)
+		if rerr == nil && derr != nil {
+			// Decode is stricter on fields ParseReply never reads (a
+			// decision's spec, say); the fields both read must agree.
+			return
+		}
+		if reply && rerr != nil {
+			t.Fatalf("Decode accepted %s, ParseReply refused: %v", b, rerr)
+		}
+		if rerr != nil || !reply {
+			return
+		}
+		if r.Kind != m.Kind || r.Error != m.Error {
+			t.Fatalf("%s: ParseReply %+v, Decode %+v", b, r, m)
+		}
+		if m.Decision != nil && (r.Mode != m.Decision.Mode || r.Reason != m.Decision.Reason) {
+			t.Fatalf("%s: decisions differ: %+v vs %+v", b, r, m.Decision)
+		}
+		if m.Batch != nil && r.Batch != nil && !bytes.Equal(r.Batch.Tables, m.Batch.Tables) {
+			t.Fatalf("%s: batches differ", b)
+		}
+	})
+}
