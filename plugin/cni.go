@@ -9,6 +9,7 @@ import (
 	"strings"
 
 	"github.com/containernetworking/cni/pkg/types"
+	"github.com/tidwall/gjson"
 )
 
 // This file is the CNI calling convention: the verb and its arguments in
@@ -141,20 +142,17 @@ func parseArgs(cmd string, getenv func(string) string, stdin io.Reader) (*Args, 
 	if a.StdinData, err = io.ReadAll(stdin); err != nil {
 		return nil, types.NewError(types.ErrIOFailure, fmt.Sprintf("error reading from stdin: %v", err), "")
 	}
-	var conf struct {
-		CNIVersion string `json:"cniVersion"`
-		Name       string `json:"name"`
+	if !gjson.ValidBytes(a.StdinData) || !gjson.ParseBytes(a.StdinData).IsObject() {
+		return nil, types.NewError(types.ErrDecodingFailure, "error unmarshall network config: not a JSON object", "")
 	}
-	if err := json.Unmarshal(a.StdinData, &conf); err != nil {
-		return nil, types.NewError(types.ErrDecodingFailure, fmt.Sprintf("error unmarshall network config: %v", err), "")
-	}
-	if conf.Name == "" {
+	name := gjson.GetBytes(a.StdinData, "name").String()
+	if name == "" {
 		return nil, types.NewError(types.ErrInvalidNetworkConfig, "missing network name", "")
 	}
-	if !validName(conf.Name) {
-		return nil, types.NewError(types.ErrInvalidNetworkConfig, "invalid characters found in network name", conf.Name)
+	if !validName(name) {
+		return nil, types.NewError(types.ErrInvalidNetworkConfig, "invalid characters found in network name", name)
 	}
-	v := conf.CNIVersion
+	v := gjson.GetBytes(a.StdinData, "cniVersion").String()
 	if v == "" {
 		v = "0.1.0" // the spec's meaning of an absent cniVersion
 	}

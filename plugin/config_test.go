@@ -16,7 +16,7 @@ func TestParseConfig(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.RunDir != DefaultRunDir || c.SocketPath() != DefaultRunDir+"/plugin.sock" || c.RuntimeConfig.PodAnnotations["a"] != "b" {
+	if c.RunDir != DefaultRunDir || c.SocketPath() != DefaultRunDir+"/plugin.sock" || c.PodAnnotations["a"] != "b" || !reflect.DeepEqual(c.ExcludeNamespaces, []string{"kube-system"}) {
 		t.Errorf("parsed %+v", c)
 	}
 	r, err := c.prevResult()
@@ -34,6 +34,13 @@ func TestParseConfig(t *testing.T) {
 		`{"cni_agent_run_dir":"relative"}`: "absolute path",
 		`{"plugin_log_level":"loud"}`:      "plugin_log_level",
 		`{"cniVersion":"1.0.0","prevResult":{"ips":"x"}}`: "prevResult",
+		`[1]`:                                  "not a JSON object",
+		`{"name":7}`:                           "name: want a string",
+		`{"exclude_namespaces":"kube-system"}`: "exclude_namespaces: want a list of strings",
+		`{"exclude_namespaces":[1]}`:           "exclude_namespaces: want a list of strings",
+		`{"status_requires_agent":"yes"}`:      "status_requires_agent: want true or false",
+		`{"runtimeConfig":{"io.kubernetes.cri.pod-annotations":{"a":1}}}`: "pod-annotations.a: want a string",
+		`{"prevResult":[]}`: "prevResult: want an object",
 	} {
 		if _, err := ParseConfig([]byte(in)); err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("ParseConfig(%s) = %v, want %q", in, err, want)

@@ -53,10 +53,31 @@ type call struct {
 	args  *Args
 	k8s   *K8sArgs
 	recs  records
-	log   *slog.Logger
+	lg    *slog.Logger // made on first use: see logger
 	agent *wire.Conn
 	began time.Time
 }
+
+// logger is the call's logger, made the first time something is logged:
+// a JSON slog handler's first use costs an exec'd process page faults, and
+// a successful ADD logs nothing (its timings ride its outcome).
+func (c *call) logger() *slog.Logger {
+	if c.lg == nil {
+		c.lg = newLogger(c.conf.level, &c.recs).With("containerID", c.args.ContainerID)
+		if c.k8s != nil && c.k8s.K8S_POD_NAMESPACE != "" {
+			c.lg = c.lg.With("pod", c.k8s.K8S_POD_NAMESPACE+"/"+c.k8s.K8S_POD_NAME)
+		}
+	}
+	return c.lg
+}
+
+func (c *call) debug(msg string, args ...any) {
+	if c.conf.level <= slog.LevelDebug {
+		c.logger().Debug(msg, args...)
+	}
+}
+func (c *call) info(msg string, args ...any) { c.logger().Info(msg, args...) }
+func (c *call) warn(msg string, args ...any) { c.logger().Warn(msg, args...) }
 
 // since is the time from the call's start, in ms, for log records.
 func (c *call) since() float64 { return float64(time.Since(c.began).Microseconds()) / 1000 }
@@ -67,13 +88,9 @@ func (p *Plugin) start(args *Args) (*call, error) {
 		return nil, types.NewError(types.ErrInvalidNetworkConfig, "nftcni: "+err.Error(), "")
 	}
 	c := &call{p: p, conf: conf, args: args, began: time.Now()}
-	c.log = newLogger(conf.level, &c.recs).With("containerID", args.ContainerID)
 	if c.k8s, err = parseK8sArgs(args.Args); err != nil {
 		c.finish()
 		return nil, types.NewError(types.ErrInvalidEnvironmentVariables, "nftcni: "+err.Error(), "")
-	}
-	if ns := string(c.k8s.K8S_POD_NAMESPACE); ns != "" {
-		c.log = c.log.With("pod", ns+"/"+string(c.k8s.K8S_POD_NAME))
 	}
 	return c, nil
 }
@@ -115,7 +132,7 @@ func fitLogs(recs []json.RawMessage) int {
 
 // passThrough says why this call needs nothing from nftcni, or "".
 func (c *call) passThrough() string {
-	ns, name := string(c.k8s.K8S_POD_NAMESPACE), string(c.k8s.K8S_POD_NAME)
+	ns, name := c.k8s.K8S_POD_NAMESPACE, c.k8s.K8S_POD_NAME
 	switch {
 	case ns == "" || name == "":
 		return "not a Kubernetes pod (no K8S_POD_NAMESPACE/K8S_POD_NAME in CNI_ARGS)"
@@ -140,13 +157,13 @@ func sameNetns(a, b string) bool {
 
 func (c *call) pod(prev *result) *wire.Pod {
 	return &wire.Pod{
-		Namespace:   string(c.k8s.K8S_POD_NAMESPACE),
-		Name:        string(c.k8s.K8S_POD_NAME),
-		UID:         string(c.k8s.K8S_POD_UID),
+		Namespace:   c.k8s.K8S_POD_NAMESPACE,
+		Name:        c.k8s.K8S_POD_NAME,
+		UID:         c.k8s.K8S_POD_UID,
 		Attachment:  wire.Attachment{ContainerID: c.args.ContainerID, IfName: c.args.IfName},
 		IPs:         podIPs(prev, c.args.IfName),
 		Netns:       c.args.Netns,
-		Annotations: c.conf.RuntimeConfig.PodAnnotations,
+		Annotations: c.conf.PodAnnotations,
 	}
 }
 
@@ -212,7 +229,7 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 	defer c.finish()
 	defer func() {
 		if err != nil {
-			c.log.Error("ADD failed", "err", err)
+			c.logger().Error("ADD failed", "err", err)
 		}
 	}()
 	prev, err := c.conf.prevResult()
@@ -223,7 +240,7 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 		return errors.New("nftcni: no prevResult: nftcni is a chained plugin and must come after the primary CNI plugin in the conflist")
 	}
 	if why := c.passThrough(); why != "" {
-		c.log.Debug("passing through", "reason", why)
+		c.debug("passing through", "reason", why)
 		return c.printPrev(stdout)
 	}
 	pod := c.pod(prev)
@@ -236,17 +253,17 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 	if d := wire.SidecarFromAnnotations(pod.Annotations, wire.HasIPv6(pod.IPs)); d != nil {
 		// Everything a sidecar ruleset needs came with the runtime's call.
 		if d.Mode == wire.ModeNone {
-			c.log.Debug("passing through", "reason", d.Reason)
+			c.debug("passing through", "reason", d.Reason)
 			return c.printPrev(stdout)
 		}
 		if err := programDecision(netns, d); err != nil {
 			return fmt.Errorf("nftcni: pod %s: %w", pod.Key(), err)
 		}
-		c.log.Info("sidecar capture programmed", "source", "runtime annotations", "reason", d.Reason)
+		c.info("sidecar capture programmed", "source", "runtime annotations", "reason", d.Reason)
 		return c.printPrev(stdout)
 	}
 
-	r, err := c.ask(&wire.Message{Kind: wire.KindAdd, Pod: pod}, netns, wire.KindDecision)
+	r, err := c.askLean(wire.AppendAdd(nil, pod), netns, wire.KindAdd, wire.KindDecision)
 	if err != nil {
 		var refused *agentError
 		if errors.As(err, &refused) {
@@ -254,31 +271,56 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 		}
 		return c.agentDown(pod, err, stdout)
 	}
-	d := r.Decision
-	if d.Mode == wire.ModeNone {
-		c.log.Debug("not enrolled", "reason", d.Reason, "ms", c.since())
+	if r.Mode == wire.ModeNone {
+		c.debug("not enrolled", "reason", r.Reason, "ms", c.since())
 		return c.printPrev(stdout)
 	}
-	decided := c.since()
+	t := &wire.Timings{Decided: c.since()}
 	perr := nft.Program(int(netns.Fd()), r.Batch)
-	out := &wire.Message{Kind: wire.KindOutcome}
+	t.Programmed = c.since()
+	errText := ""
 	if perr != nil {
-		out.Error = perr.Error()
-	} else {
-		c.log.Info("pod ruleset programmed", "mode", d.Mode, "reason", d.Reason,
-			"decided_ms", decided, "programmed_ms", c.since())
+		errText = perr.Error()
 	}
-	out.Logs = c.recs.take() // the logs ride the outcome: no third message
-	if _, err := c.ask(out, nil, wire.KindDone); err != nil {
+	// The call's logs and timings ride the outcome: no third message.
+	if _, err := c.askLean(wire.AppendOutcome(nil, errText, c.recs.take(), t), nil, wire.KindOutcome, wire.KindDone); err != nil && perr == nil {
 		// The agent removed what the enrolment had put in place, rules too.
-		if perr == nil {
-			return fmt.Errorf("nftcni: pod %s: enrolment failed after the rules were programmed (removed again): %w", pod.Key(), err)
-		}
+		return fmt.Errorf("nftcni: pod %s: enrolment failed after the rules were programmed (removed again): %w", pod.Key(), err)
 	}
 	if perr != nil {
-		return fmt.Errorf("nftcni: pod %s: programming the %s ruleset: %w", pod.Key(), d.Mode, perr)
+		return fmt.Errorf("nftcni: pod %s: programming the %s ruleset: %w", pod.Key(), r.Mode, perr)
 	}
 	return c.printPrev(stdout)
+}
+
+// askLean is ask for the ADD's own messages, encoded and decoded without
+// encoding/json (package wire, lean.go).
+func (c *call) askLean(b []byte, fd *os.File, kind, want wire.Kind) (*wire.Reply, error) {
+	if c.agent == nil {
+		if err := c.dial(); err != nil {
+			return nil, err
+		}
+	}
+	if err := c.agent.SendBytes(b, fd, kind); err != nil {
+		return nil, err
+	}
+	rb, rfd, err := c.agent.RecvBytes()
+	if rfd != nil {
+		rfd.Close()
+	}
+	var r *wire.Reply
+	if err == nil {
+		r, err = wire.ParseReply(rb)
+	}
+	switch {
+	case err != nil:
+		return nil, fmt.Errorf("waiting for the agent's answer to %s: %w", kind, err)
+	case r.Kind == wire.KindError:
+		return nil, &agentError{msg: r.Error}
+	case r.Kind != want:
+		return nil, fmt.Errorf("agent answered %s with %s, want %s", kind, r.Kind, want)
+	}
+	return r, nil
 }
 
 // programDecision encodes and programs a decision the plugin made itself.
@@ -314,7 +356,7 @@ func (c *call) agentDown(pod *wire.Pod, cause error, stdout io.Writer) error {
 			fmt.Sprintf("nftcni: pod %s: the nftcni agent at %s cannot be reached (%v) and its policy snapshot is unreadable (%v)", pod.Key(), sock, cause, err), "")
 	}
 	if !enrol {
-		c.log.Warn("agent unreachable; the policy snapshot does not enrol this pod, letting it through", "socket", sock, "reason", why, "err", cause)
+		c.warn("agent unreachable; the policy snapshot does not enrol this pod, letting it through", "socket", sock, "reason", why, "err", cause)
 		return c.printPrev(stdout)
 	}
 	return types.NewError(types.ErrTryAgainLater,
@@ -334,20 +376,20 @@ func (p *Plugin) Del(args *Args) error {
 	}
 	defer c.finish()
 	if why := c.passThrough(); why != "" {
-		c.log.Debug("passing through", "reason", why)
+		c.debug("passing through", "reason", why)
 		return nil
 	}
 	if netns, err := os.Open(args.Netns); err == nil {
 		if err := nft.Delete(int(netns.Fd()), nft.PodCleanup()); err != nil {
-			c.log.Warn("could not remove the pod's rules; they go with the netns", "err", err)
+			c.warn("could not remove the pod's rules; they go with the netns", "err", err)
 		}
 		netns.Close()
 	} else if args.Netns != "" && !errors.Is(err, os.ErrNotExist) {
-		c.log.Warn("could not open the pod's netns", "netns", args.Netns, "err", err)
+		c.warn("could not open the pod's netns", "netns", args.Netns, "err", err)
 	}
 	m := &wire.Message{Kind: wire.KindDel, Pod: c.pod(nil), Logs: c.recs.take()}
 	if _, err := c.ask(m, nil, wire.KindDone); err != nil {
-		c.log.Warn("could not tell the agent about DEL; it reconciles on its own", "err", err)
+		c.warn("could not tell the agent about DEL; it reconciles on its own", "err", err)
 	}
 	return nil
 }
@@ -417,7 +459,7 @@ func (p *Plugin) Status(args *Args) error {
 		return nil
 	}
 	if !c.conf.StatusRequiresAgent {
-		c.log.Debug("agent not ready; STATUS still succeeds (status_requires_agent is false)", "err", err)
+		c.debug("agent not ready; STATUS still succeeds (status_requires_agent is false)", "err", err)
 		return nil
 	}
 	return types.NewError(types.ErrPluginNotAvailable, fmt.Sprintf("nftcni agent at %s is not ready: %v", c.conf.SocketPath(), err), "")
@@ -436,7 +478,7 @@ func (p *Plugin) GC(args *Args) error {
 		valid = []wire.Attachment{}
 	}
 	if _, err := c.ask(&wire.Message{Kind: wire.KindGC, Valid: valid}, nil, wire.KindDone); err != nil {
-		c.log.Warn("GC: agent unreachable; it releases stale attachments itself when it returns", "err", err)
+		c.warn("GC: agent unreachable; it releases stale attachments itself when it returns", "err", err)
 	}
 	return nil
 }

@@ -194,9 +194,14 @@ func (e *Enroller) record(p *pod, d *wire.Decision) *records.Record {
 
 // how says how an enrolment comes about at the moment it happens.
 type how struct {
-	// rules puts the ruleset in place: the plugin's conversation at ADD,
-	// the agent's own Program elsewhere, a deferred check at restart.
+	// rules puts the ruleset in place: the plugin's outcome at ADD, the
+	// agent's own Program elsewhere, a deferred check at restart. It runs
+	// beside the other steps.
 	rules func(context.Context) error
+	// start, if set, runs before the other steps begin: at ADD it sends
+	// the plugin its decision, so that the plugin's critical path does not
+	// wait behind the agent's own work for a CPU.
+	start func(context.Context) error
 	// restored: the pod was enrolled before this agent started. ztunnel
 	// gets it in its first snapshot (it is not connected yet), the record
 	// is already there, and an undo must not remove rules the previous
@@ -213,6 +218,14 @@ func (e *Enroller) enrol(ctx context.Context, p *pod, d *wire.Decision, h how) e
 		return fmt.Errorf("pod %s has no UID (neither K8S_POD_UID from the runtime nor metadata.uid in its manifest): ztunnel names workloads by UID, so it cannot be enrolled in ambient", p.id.Key())
 	}
 	zt, probes, recs := e.opts.Ztunnel, e.opts.Probes, e.opts.Records
+	if h.start != nil {
+		if err := h.start(ctx); err != nil {
+			if !h.restored && p.netns != nil {
+				_ = e.rules.Remove(p.fd()) // the plugin may have begun
+			}
+			return fmt.Errorf("enrolling pod %s (%s): %w", p.id.Key(), d.Mode, err)
+		}
+	}
 	var wg sync.WaitGroup
 	var ztErr, probeErr, recErr error
 	ztDone, probeDone, recDone := false, false, false

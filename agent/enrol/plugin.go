@@ -106,11 +106,20 @@ func (e *Enroller) Add(ctx context.Context, wp *wire.Pod, netns *os.File, plugin
 		e.saveRecord(p, d)
 		return nil
 	}
-	err = e.enrol(ctx, p, d, how{rules: func(context.Context) error { return plugin.Decide(d, batch) }})
+	var t *wire.Timings
+	start := time.Now()
+	err = e.enrol(ctx, p, d, how{
+		start: func(context.Context) error { return plugin.Decide(d, batch) },
+		rules: func(context.Context) (err error) { t, err = plugin.Outcome(); return err }})
 	if err != nil {
 		return err
 	}
-	e.log.Info("pod enrolled", "pod", wp.Key(), "mode", d.Mode, "uid", p.uid, "containerID", wp.ContainerID, "reason", d.Reason)
+	args := []any{"pod", wp.Key(), "mode", d.Mode, "uid", p.uid, "containerID", wp.ContainerID, "reason", d.Reason,
+		"agent_ms", ms(time.Since(start))}
+	if t != nil {
+		args = append(args, "plugin_decided_ms", t.Decided, "plugin_programmed_ms", t.Programmed)
+	}
+	e.log.Info("pod enrolled", args...)
 	return nil
 }
 
@@ -216,6 +225,8 @@ func (e *Enroller) Inspect(uid string) *wire.Inspect {
 	}
 	return in
 }
+
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
 
 func dupFile(f *os.File) (*os.File, error) {
 	fd, err := unix.FcntlInt(f.Fd(), unix.F_DUPFD_CLOEXEC, 0)

@@ -53,10 +53,13 @@ type Handler interface {
 
 // Plugin is the plugin's end of an ADD, as Handler.Add sees it.
 type Plugin interface {
-	// Decide sends the decision and, for an enrolled pod, the batch, then
-	// waits for the plugin's outcome: nil once the rules are in place.
-	// For ModeNone it only sends.
+	// Decide sends the decision and, for an enrolled pod, the batch the
+	// plugin is to program.
 	Decide(d *wire.Decision, b *nft.Batch) error
+	// Outcome waits for the plugin's outcome of an enrolled pod's
+	// decision: nil once the rules are in place, with where the plugin's
+	// time went.
+	Outcome() (*wire.Timings, error)
 }
 
 // Metrics counts plugin requests.
@@ -230,8 +233,7 @@ type addConv struct {
 	mode    wire.Mode
 }
 
-// Decide sends the decision and, for an enrolled pod, waits for the
-// outcome, whose logs join the agent's.
+// Decide sends the decision.
 func (a *addConv) Decide(d *wire.Decision, b *nft.Batch) error {
 	if a.decided {
 		return errors.New("the ADD was decided already")
@@ -244,8 +246,13 @@ func (a *addConv) Decide(d *wire.Decision, b *nft.Batch) error {
 	if err := a.c.Send(m, nil); err != nil {
 		return fmt.Errorf("plugin went away before the decision: %w", err)
 	}
-	if d.Mode == wire.ModeNone {
-		return nil
+	return nil
+}
+
+// Outcome waits for the outcome, whose logs join the agent's.
+func (a *addConv) Outcome() (*wire.Timings, error) {
+	if !a.decided || a.mode == wire.ModeNone {
+		return nil, errors.New("no enrolment decided")
 	}
 	out, fd, err := a.c.Recv()
 	if fd != nil {
@@ -253,15 +260,15 @@ func (a *addConv) Decide(d *wire.Decision, b *nft.Batch) error {
 	}
 	switch {
 	case err != nil:
-		return fmt.Errorf("plugin went away before reporting its outcome: %w", err)
+		return nil, fmt.Errorf("plugin went away before reporting its outcome: %w", err)
 	case out.Kind != wire.KindOutcome:
-		return fmt.Errorf("plugin sent %s, want outcome", out.Kind)
+		return nil, fmt.Errorf("plugin sent %s, want outcome", out.Kind)
 	}
 	a.s.pluginLogs(a.ctx, out.Logs)
 	if out.Error != "" {
-		return fmt.Errorf("plugin could not program the %s ruleset: %w", d.Mode, errors.New(out.Error))
+		return out.Timings, fmt.Errorf("plugin could not program the %s ruleset: %w", a.mode, errors.New(out.Error))
 	}
-	return nil
+	return out.Timings, nil
 }
 
 // add runs the ADD conversation through the handler and gives the plugin

@@ -69,6 +69,9 @@ func (f *fake) Add(_ context.Context, _ *wire.Pod, _ *os.File, plugin Plugin) er
 	if f.decision.Mode == wire.ModeNone {
 		return nil
 	}
+	if err == nil {
+		_, err = plugin.Outcome()
+	}
 	f.mu.Lock()
 	f.outcomes = append(f.outcomes, err)
 	f.mu.Unlock()
