@@ -1,0 +1,519 @@
+package enrol
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/nftcni/nftcni/agent/enablement"
+	"github.com/nftcni/nftcni/agent/podsource"
+	"github.com/nftcni/nftcni/agent/records"
+	"github.com/nftcni/nftcni/agent/zds"
+	"github.com/nftcni/nftcni/nft"
+	"github.com/nftcni/nftcni/plugin/wire"
+)
+
+// These tests drive the state machine with fakes for everything it talks
+// to (rules, ztunnel, probe set, annotator, plugin) and a real records dir;
+// the "netns" is a plain file, so they need no root. Real netns, real
+// nf_tables and real traffic are the integration tests' job.
+
+// trail is the ordered list of calls every fake appends to.
+type trail struct {
+	mu    sync.Mutex
+	calls []string
+}
+
+func (l *trail) add(format string, args ...any) {
+	l.mu.Lock()
+	l.calls = append(l.calls, fmt.Sprintf(format, args...))
+	l.mu.Unlock()
+}
+
+func (l *trail) has(call string) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Contains(l.calls, call)
+}
+
+func (l *trail) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return strings.Join(l.calls, "; ")
+}
+
+func (l *trail) reset() {
+	l.mu.Lock()
+	l.calls = nil
+	l.mu.Unlock()
+}
+
+type fakeRules struct {
+	l                    *trail
+	programErr, checkErr error
+}
+
+func (r *fakeRules) Program(fd int, b *nft.Batch) error {
+	r.l.add("rules.Program")
+	return r.programErr
+}
+func (r *fakeRules) Remove(fd int) error { r.l.add("rules.Remove"); return nil }
+func (r *fakeRules) Check(fd int, rs *nft.Ruleset, gen uint32) (uint32, error) {
+	r.l.add("rules.Check")
+	return 1, r.checkErr
+}
+
+type fakeZtunnel struct {
+	l      *trail
+	addErr error
+	mu     sync.Mutex
+	held   map[string]bool
+}
+
+func (z *fakeZtunnel) Add(ctx context.Context, uid string, info zds.WorkloadInfo, netns *os.File) error {
+	z.l.add("zt.Add %s", uid)
+	if z.addErr != nil {
+		return z.addErr
+	}
+	z.mu.Lock()
+	z.held[uid] = true
+	z.mu.Unlock()
+	return nil
+}
+func (z *fakeZtunnel) Track(uid string, info zds.WorkloadInfo, netns *os.File) {
+	z.l.add("zt.Track %s", uid)
+	z.mu.Lock()
+	z.held[uid] = true
+	z.mu.Unlock()
+}
+func (z *fakeZtunnel) Del(uid string) {
+	z.l.add("zt.Del %s", uid)
+	z.mu.Lock()
+	delete(z.held, uid)
+	z.mu.Unlock()
+}
+func (z *fakeZtunnel) Holds(uid string) bool {
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	return z.held[uid]
+}
+func (z *fakeZtunnel) State(uid string) string { return "" }
+
+type fakeProbes struct{ l *trail }
+
+func (p *fakeProbes) Add(uid string, ips []netip.Addr) error {
+	p.l.add("probes.Add %s %v", uid, ips)
+	return nil
+}
+func (p *fakeProbes) Remove(uid string, ips []netip.Addr) error {
+	p.l.add("probes.Remove %s %v", uid, ips)
+	return nil
+}
+
+type fakeAnnotator struct {
+	l     *trail
+	store *podsource.Store
+}
+
+func (a *fakeAnnotator) SetRedirection(ctx context.Context, namespace, name, state string) error {
+	a.l.add("annotate %s/%s=%q", namespace, name, state)
+	if kp := a.store.Pod(namespace, name); kp != nil { // as the informer would see it
+		kp = kp.DeepCopy()
+		if state == "" {
+			delete(kp.Annotations, enablement.AnnRedirection)
+		} else {
+			if kp.Annotations == nil {
+				kp.Annotations = map[string]string{}
+			}
+			kp.Annotations[enablement.AnnRedirection] = state
+		}
+		a.store.PutPod(kp)
+	}
+	return nil
+}
+
+// fakePlugin is the plugin's end of an ADD.
+type fakePlugin struct {
+	l          *trail
+	decided    *wire.Decision
+	batch      *nft.Batch
+	outcomeErr error
+}
+
+func (p *fakePlugin) Decide(d *wire.Decision, b *nft.Batch) error {
+	p.l.add("plugin.Decide %s", d.Mode)
+	p.decided, p.batch = d, b
+	return nil
+}
+func (p *fakePlugin) Outcome() (*wire.Timings, error) {
+	p.l.add("plugin.Outcome")
+	return &wire.Timings{}, p.outcomeErr
+}
+
+type rig struct {
+	t       *testing.T
+	l       *trail
+	store   *podsource.Store
+	rules   *fakeRules
+	zt      *fakeZtunnel
+	runDir  string
+	records *records.Dir
+	e       *Enroller
+}
+
+func newRig(t *testing.T) *rig {
+	t.Helper()
+	l := &trail{}
+	r := &rig{t: t, l: l, store: podsource.NewStore(), rules: &fakeRules{l: l},
+		zt: &fakeZtunnel{l: l, held: map[string]bool{}}, runDir: t.TempDir()}
+	var err error
+	if r.records, err = records.Open(r.runDir); err != nil {
+		t.Fatal(err)
+	}
+	r.e = r.enroller()
+	t.Cleanup(func() { r.e.Close() })
+	return r
+}
+
+// enroller is a new agent on the rig's state (a restart when called again).
+func (r *rig) enroller() *Enroller {
+	pol, err := enablement.Compile(enablement.DefaultConfig())
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	return New(Options{Policy: pol, Store: r.store, Rules: r.rules, Ztunnel: r.zt, Probes: &fakeProbes{l: r.l},
+		Records: r.records, Annotator: &fakeAnnotator{l: r.l, store: r.store}, LookupRetries: -1})
+}
+
+func (r *rig) namespace(name string, ambient bool) {
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{}}}
+	if ambient {
+		ns.Labels[enablement.LabelDataplaneMode] = enablement.DataplaneAmbient
+	}
+	r.store.PutNamespace(ns)
+}
+
+func (r *rig) pod(ns, name, uid, ip string) *corev1.Pod {
+	kp := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, UID: types.UID(uid)},
+		Status: corev1.PodStatus{Phase: corev1.PodRunning, PodIP: ip}}
+	r.store.PutPod(kp)
+	return kp
+}
+
+// sandbox is a pod's ADD arguments, with a plain file standing in for the
+// netns (the fakes never enter it).
+func (r *rig) sandbox(ns, name, uid, ip string) (*wire.Pod, *os.File) {
+	path := filepath.Join(r.t.TempDir(), "netns")
+	f, err := os.Create(path)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	r.t.Cleanup(func() { f.Close() })
+	return &wire.Pod{Namespace: ns, Name: name, UID: uid, Netns: path, IPs: []netip.Prefix{netip.MustParsePrefix(ip + "/32")},
+		Attachment: wire.Attachment{ContainerID: "c-" + name, IfName: "eth0"}}, f
+}
+
+func (r *rig) add(wp *wire.Pod, netns *os.File, pl *fakePlugin) error {
+	return r.e.Add(context.Background(), wp, netns, pl)
+}
+
+func (r *rig) members() []string {
+	var out []string
+	for _, m := range r.e.Members() {
+		out = append(out, fmt.Sprintf("%s %s %s", m.Pod.Key(), m.Mode, m.UID))
+	}
+	return out
+}
+
+func (r *rig) expect(calls ...string) {
+	r.t.Helper()
+	for _, c := range calls {
+		if !r.l.has(c) {
+			r.t.Errorf("missing call %q; calls: %s", c, r.l)
+		}
+	}
+}
+
+func (r *rig) expectNot(calls ...string) {
+	r.t.Helper()
+	for _, c := range calls {
+		if r.l.has(c) {
+			r.t.Errorf("unexpected call %q; calls: %s", c, r.l)
+		}
+	}
+}
+
+func (r *rig) recorded() map[string]wire.Mode {
+	recs, bad, err := records.Read(r.runDir)
+	if err != nil || len(bad) > 0 {
+		r.t.Fatalf("reading records: %v %v", err, bad)
+	}
+	out := map[string]wire.Mode{}
+	for _, rec := range recs {
+		out[rec.Pod.Key()] = rec.Decision.Mode
+	}
+	return out
+}
+
+func TestAddEnrolsAmbientPodInOrder(t *testing.T) {
+	r := newRig(t)
+	r.namespace("mesh", true)
+	r.pod("mesh", "a", "uid-a", "10.0.0.5")
+	wp, ns := r.sandbox("mesh", "a", "uid-a", "10.0.0.5")
+	pl := &fakePlugin{l: r.l}
+	if err := r.add(wp, ns, pl); err != nil {
+		t.Fatal(err)
+	}
+	if pl.decided.Mode != wire.ModeAmbient || pl.batch == nil {
+		t.Fatalf("plugin got %+v, batch %v; want ambient with a batch", pl.decided, pl.batch)
+	}
+	r.expect("plugin.Decide ambient", "plugin.Outcome", "zt.Add uid-a", "probes.Add uid-a [10.0.0.5]", `annotate mesh/a="enabled"`)
+	r.expectNot("rules.Program") // the plugin programs at ADD, not the agent
+	// The decision goes out before anything else starts, the annotation
+	// only after every step.
+	if r.l.calls[0] != "plugin.Decide ambient" || r.l.calls[len(r.l.calls)-1] != `annotate mesh/a="enabled"` {
+		t.Errorf("order: %s", r.l)
+	}
+	if got := r.members(); !slices.Equal(got, []string{"mesh/a ambient uid-a"}) {
+		t.Errorf("members %v", got)
+	}
+	if got := r.recorded(); got["mesh/a"] != wire.ModeAmbient {
+		t.Errorf("records %v", got)
+	}
+}
+
+func TestFailedStepUndoesTheEnrolment(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		setup   func(*rig, *fakePlugin)
+		undo    []string
+		notUndo []string
+	}{
+		{"plugin could not program", func(r *rig, p *fakePlugin) { p.outcomeErr = errors.New("netlink: EPERM") },
+			[]string{"zt.Del uid-a", "probes.Remove uid-a [10.0.0.5]", "rules.Remove"}, nil},
+		{"ztunnel refused", func(r *rig, p *fakePlugin) { r.zt.addErr = errors.New("ztunnel: nack") },
+			[]string{"probes.Remove uid-a [10.0.0.5]", "rules.Remove"}, []string{"zt.Del uid-a"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := newRig(t)
+			r.namespace("mesh", true)
+			r.pod("mesh", "a", "uid-a", "10.0.0.5")
+			wp, ns := r.sandbox("mesh", "a", "uid-a", "10.0.0.5")
+			pl := &fakePlugin{l: r.l}
+			tc.setup(r, pl)
+			if err := r.add(wp, ns, pl); err == nil {
+				t.Fatal("ADD succeeded")
+			}
+			r.expect(tc.undo...)
+			r.expectNot(tc.notUndo...)
+			r.expectNot(`annotate mesh/a="enabled"`)
+			if got := r.members(); len(got) != 0 {
+				t.Errorf("members after a failed ADD: %v", got)
+			}
+			if r.zt.Holds("uid-a") {
+				t.Error("ztunnel still holds the pod")
+			}
+			if got := r.recorded(); got["mesh/a"] == wire.ModeAmbient {
+				t.Errorf("recorded as enrolled after a failed ADD: %v", got)
+			}
+		})
+	}
+}
+
+func TestPodWithoutUIDIsNeverSentToZtunnel(t *testing.T) {
+	r := newRig(t)
+	r.namespace("mesh", true)
+	r.pod("mesh", "a", "", "10.0.0.5")
+	wp, ns := r.sandbox("mesh", "a", "", "10.0.0.5")
+	err := r.add(wp, ns, &fakePlugin{l: r.l})
+	if err == nil || !strings.Contains(err.Error(), "no UID") {
+		t.Fatalf("ADD of a pod without UID: %v", err)
+	}
+	for _, c := range r.l.calls {
+		if strings.HasPrefix(c, "zt.") || strings.HasPrefix(c, "plugin.Decide ambient") {
+			t.Errorf("pod without UID reached %q", c)
+		}
+	}
+}
+
+func TestDelOfUnknownPodSendsNoDel(t *testing.T) {
+	r := newRig(t)
+	wp, _ := r.sandbox("mesh", "ghost", "", "10.0.0.9")
+	if err := r.e.Del(context.Background(), wp); err != nil {
+		t.Fatal(err)
+	}
+	wp.UID = "uid-ghost"
+	if err := r.e.Del(context.Background(), wp); err != nil {
+		t.Fatal(err)
+	}
+	r.expectNot("zt.Del ", "zt.Del mesh/ghost", "zt.Del uid-ghost") // ztunnel never held it
+	// One ztunnel holds without a tracked attachment (adopted, no record):
+	// the DEL lets it go, by its real UID.
+	r.zt.held["uid-ghost"] = true
+	if err := r.e.Del(context.Background(), wp); err != nil {
+		t.Fatal(err)
+	}
+	r.expect("zt.Del uid-ghost")
+}
+
+func TestPodGoneFromSourceIsReleased(t *testing.T) {
+	r := newRig(t)
+	r.namespace("mesh", true)
+	r.pod("mesh", "a", "uid-a", "10.0.0.5")
+	wp, ns := r.sandbox("mesh", "a", "uid-a", "10.0.0.5")
+	if err := r.add(wp, ns, &fakePlugin{l: r.l}); err != nil {
+		t.Fatal(err)
+	}
+	r.l.reset()
+	r.store.DeletePod("mesh", "a")
+	if err := r.e.ReconcileAll(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	// The rules go too: a pod whose ztunnel is gone but whose rules stay
+	// is black-holed.
+	r.expect("rules.Remove", "zt.Del uid-a", "probes.Remove uid-a [10.0.0.5]")
+	if got := r.members(); len(got) != 0 {
+		t.Errorf("members %v", got)
+	}
+	if got := r.recorded(); len(got) != 0 {
+		t.Errorf("records left %v", got)
+	}
+}
+
+func TestLateEnrolmentAndUnenrolment(t *testing.T) {
+	r := newRig(t)
+	r.namespace("mesh", false)
+	r.pod("mesh", "a", "uid-a", "10.0.0.5")
+	wp, ns := r.sandbox("mesh", "a", "uid-a", "10.0.0.5")
+	pl := &fakePlugin{l: r.l}
+	if err := r.add(wp, ns, pl); err != nil {
+		t.Fatal(err)
+	}
+	if pl.decided.Mode != wire.ModeNone {
+		t.Fatalf("decision %s in a plain namespace", pl.decided.Mode)
+	}
+	r.expectNot("plugin.Outcome", "zt.Add uid-a")
+	if got := r.recorded(); got["mesh/a"] != wire.ModeNone {
+		t.Fatalf("a known pod is recorded, not enrolled: %v", got)
+	}
+
+	r.namespace("mesh", true)
+	if err := r.e.Reconcile(context.Background(), "mesh", "a"); err != nil {
+		t.Fatal(err)
+	}
+	r.expect("rules.Program", "zt.Add uid-a", `annotate mesh/a="enabled"`) // the agent programs, with the netns it kept
+	if got := r.members(); !slices.Equal(got, []string{"mesh/a ambient uid-a"}) {
+		t.Fatalf("members %v", got)
+	}
+
+	r.l.reset()
+	r.namespace("mesh", false)
+	if err := r.e.Reconcile(context.Background(), "mesh", "a"); err != nil {
+		t.Fatal(err)
+	}
+	r.expect("rules.Remove", "zt.Del uid-a", `annotate mesh/a=""`)
+	if got := r.members(); len(got) != 0 {
+		t.Errorf("members %v", got)
+	}
+	in := r.e.Inspect("uid-a")
+	if in.Drift != "" || in.Repairs != 0 {
+		t.Errorf("inspect of an unenrolled pod: %+v", in)
+	}
+}
+
+func TestLateEnrolmentFailureLeavesPodAsItWas(t *testing.T) {
+	r := newRig(t)
+	r.namespace("mesh", false)
+	r.pod("mesh", "a", "uid-a", "10.0.0.5")
+	wp, ns := r.sandbox("mesh", "a", "uid-a", "10.0.0.5")
+	if err := r.add(wp, ns, &fakePlugin{l: r.l}); err != nil {
+		t.Fatal(err)
+	}
+	r.namespace("mesh", true)
+	r.rules.programErr = errors.New("netlink: ENOBUFS")
+	if err := r.e.Reconcile(context.Background(), "mesh", "a"); err == nil {
+		t.Fatal("late enrolment succeeded with rules that failed")
+	}
+	r.expect("zt.Del uid-a", "rules.Remove")
+	r.expectNot(`annotate mesh/a="enabled"`)
+	if r.zt.Holds("uid-a") || len(r.members()) != 0 {
+		t.Errorf("half-enrolled: ztunnel %v, members %v", r.zt.Holds("uid-a"), r.members())
+	}
+	// Once the rules can be programmed, the next reconcile enrols it.
+	r.rules.programErr = nil
+	if err := r.e.Reconcile(context.Background(), "mesh", "a"); err != nil {
+		t.Fatal(err)
+	}
+	if got := r.members(); len(got) != 1 {
+		t.Errorf("members %v", got)
+	}
+}
+
+func TestRestartRestoresWithoutTouchingRules(t *testing.T) {
+	r := newRig(t)
+	r.namespace("mesh", true)
+	r.pod("mesh", "a", "uid-a", "10.0.0.5")
+	wp, ns := r.sandbox("mesh", "a", "uid-a", "10.0.0.5")
+	if err := r.add(wp, ns, &fakePlugin{l: r.l}); err != nil {
+		t.Fatal(err)
+	}
+	r.e.Close()
+	r.l.reset()
+	r.e = r.enroller()
+	n, err := r.e.Restore(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n.Restored != 1 {
+		t.Fatalf("restored %+v", n)
+	}
+	// ztunnel gets it in its first snapshot; the rules the previous agent
+	// programmed are left alone (the verifier checks them next).
+	r.expect("zt.Track uid-a")
+	r.expectNot("zt.Add uid-a", "rules.Program", "rules.Remove")
+	if got := r.members(); !slices.Equal(got, []string{"mesh/a ambient uid-a"}) {
+		t.Errorf("members %v", got)
+	}
+	checked, repaired := r.e.VerifyPass(context.Background(), 1)
+	if checked != 1 || repaired != 0 {
+		t.Errorf("verify pass: checked %d repaired %d", checked, repaired)
+	}
+}
+
+func TestVerifyRepairsDrift(t *testing.T) {
+	r := newRig(t)
+	r.namespace("mesh", true)
+	r.pod("mesh", "a", "uid-a", "10.0.0.5")
+	wp, ns := r.sandbox("mesh", "a", "uid-a", "10.0.0.5")
+	if err := r.add(wp, ns, &fakePlugin{l: r.l}); err != nil {
+		t.Fatal(err)
+	}
+	r.l.reset()
+	// A check that could not look is not drift: nothing is rewritten.
+	r.rules.checkErr = errors.New("netlink: EINTR")
+	if checked, repaired := r.e.VerifyPass(context.Background(), 1); checked != 0 || repaired != 0 {
+		t.Fatalf("verify pass that could not look: checked %d repaired %d", checked, repaired)
+	}
+	r.expectNot("rules.Program")
+	r.rules.checkErr = &nft.DriftError{Problems: []string{"chain inbound is empty but should hold 3 rules, the first: meta mark 0x539 accept"}}
+	checked, repaired := r.e.VerifyPass(context.Background(), 1)
+	if checked != 1 || repaired != 1 {
+		t.Fatalf("verify pass: checked %d repaired %d", checked, repaired)
+	}
+	r.expect("rules.Check", "rules.Program")
+	in := r.e.Inspect("uid-a")
+	if in.Repairs != 1 || !strings.Contains(in.Drift, "chain inbound is empty") {
+		t.Errorf("inspect after a repair: %+v", in)
+	}
+}

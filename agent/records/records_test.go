@@ -1,0 +1,91 @@
+package records
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/nftcni/nftcni/plugin/wire"
+)
+
+func rec(id string, mode wire.Mode) *Record {
+	return &Record{Pod: wire.Pod{Namespace: "ns", Name: id, Attachment: wire.Attachment{ContainerID: "c-" + id, IfName: "eth0"}},
+		UID: "uid-" + id, Decision: &wire.Decision{Mode: mode}, NetnsDev: 4, NetnsIno: 4026532000}
+}
+
+func TestSaveReplaceDropLoad(t *testing.T) {
+	run := t.TempDir()
+	d, err := Open(run)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range []*Record{rec("a", wire.ModeNone), rec("b", wire.ModeAmbient), rec("a", wire.ModeAmbient)} {
+		if err := d.Save(r); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := d.Drop(rec("b", wire.ModeNone).Pod.Attachment); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Drop(rec("never", wire.ModeNone).Pod.Attachment); err != nil {
+		t.Errorf("Drop of an attachment never recorded: %v", err)
+	}
+	got, bad, err := Read(run)
+	if err != nil || len(bad) != 0 {
+		t.Fatal(err, bad)
+	}
+	if len(got) != 1 || got[0].Pod.Name != "a" || got[0].Decision.Mode != wire.ModeAmbient || got[0].NetnsIno != 4026532000 {
+		t.Fatalf("records %+v", got)
+	}
+	st, err := os.Stat(filepath.Join(run, DirName))
+	if err != nil || st.Mode().Perm() != 0o700 {
+		t.Errorf("records dir mode: %v %v", st.Mode(), err)
+	}
+}
+
+// A crash between write and rename leaves a temp file: the next agent
+// removes it and the record it would have replaced is still the old one.
+// An unreadable record is reported, and the others load.
+func TestCrashLeftoversAndBadFiles(t *testing.T) {
+	run := t.TempDir()
+	d, err := Open(run)
+	if err != nil {
+		t.Fatal(err)
+	}
+	old := rec("a", wire.ModeAmbient)
+	if err := d.Save(old); err != nil {
+		t.Fatal(err)
+	}
+	half := d.path(old.Pod.Attachment) + ".tmp"
+	if err := os.WriteFile(half, []byte(`{"pod":{"namesp`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	broken := filepath.Join(run, DirName, "broken.json")
+	if err := os.WriteFile(broken, []byte(`{"pod":`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Open(run); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(half); !os.IsNotExist(err) {
+		t.Errorf("temp file left after Open: %v", err)
+	}
+	got, bad, err := Read(run)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != 1 || got[0].Decision.Mode != wire.ModeAmbient {
+		t.Errorf("records %+v", got)
+	}
+	if len(bad) != 1 || !strings.Contains(bad[0].Error(), "broken.json") {
+		t.Errorf("bad %v", bad)
+	}
+}
+
+func TestReadWithoutDir(t *testing.T) {
+	got, bad, err := Read(filepath.Join(t.TempDir(), "nothing"))
+	if err != nil || len(got) != 0 || len(bad) != 0 {
+		t.Errorf("Read of a run dir never used: %v %v %v", got, bad, err)
+	}
+}
