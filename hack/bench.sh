@@ -7,11 +7,12 @@ cd "$(dirname "$0")/.."
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT
 go test -run '^$' -bench . -benchmem -count=1 ./conflist ./agent/install | tee -a "$out"
-# Rule programming: fixed iteration counts keep the fresh-netns churn bounded.
-go test -run '^$' -bench 'ApplyFresh' -benchtime 300x -count=1 ./nft | tee -a "$out"
+# Rule programming, every way interleaved: fixed round counts keep the
+# fresh-netns churn bounded.
+go test -run '^$' -bench 'ProgramFresh' -benchtime 200x -count=1 ./nft | tee -a "$out"
 go test -run '^$' -bench 'Apply1000Concurrent' -benchtime 3x -count=1 ./nft | tee -a "$out"
 # CNI ADD through libcni with the reference plugins: what nftcni adds.
-go test -run '^$' -bench 'CNIAdd' -benchtime 100x -count=1 ./integration | tee -a "$out"
+go test -run '^$' -bench 'CNIAdd' -benchtime 200x -count=1 ./integration | tee -a "$out"
 # Pod sandboxes through containerd's CRI (1.6 and 2.x), with and without nftcni.
 go test -run '^$' -bench 'RunPodSandbox' -benchtime 60x -count=1 -timeout 30m ./integration | tee -a "$out"
 # The agent with 500 enrolled pods: enrolment throughput, restart, memory.
@@ -23,29 +24,45 @@ ratio() { # name-of-comparison name-of-ours
 	[ -n "$a" ] && [ -n "$b" ] && awk -v a="$a" -v b="$b" -v x="$1" -v y="$2" 'BEGIN {printf "  %-45s %8.2f ms vs %6.2f ms  = %5.1fx\n", x" / "y, a/1e6, b/1e6, a/b}'
 	return 0
 }
+# m BENCH METRIC: a reported metric of one benchmark line.
+m() { awk -v b="^$1-" -v m="$2" '$1 ~ b {for (i=1;i<=NF;i++) if ($(i+1)==m) {print $i; exit}}' "$out"; }
+# vs BENCH LABEL A B: metric A over metric B, both medians of the same run.
+vs() {
+	local a b; a=$(m "$1" "$3"); b=$(m "$1" "$4")
+	[ -n "$a" ] && [ -n "$b" ] && awk -v a="$a" -v b="$b" -v l="$2" 'BEGIN {printf "    %-52s %7.3f / %7.3f ms = %5.2fx\n", l, a, b, a/b}'
+	return 0
+}
 echo
-echo "== ratios (same run)"
-ratio 'BenchmarkApplyFresh/nft-f' 'BenchmarkApplyFresh/nftcni-netlink'
-ratio 'BenchmarkApplyFresh/iptables-nft-restore' 'BenchmarkApplyFresh/nftcni-netlink'
-ratio 'BenchmarkApplyFresh/iptables-legacy-restore' 'BenchmarkApplyFresh/nftcni-netlink'
-ratio 'BenchmarkApplyFresh/nft-f' 'BenchmarkApplyFresh/kernel-floor'
-[ -n "$(ns 'BenchmarkApplyFresh/kernel-floor')" ] && echo "  (kernel-floor: the kernel handling the same batch, its sendmsg alone; no tool can be faster, so that line is the best ratio possible)"
+echo "== ratios (medians of interleaved rounds, same run)"
+if [ -n "$(m BenchmarkProgramFresh kernel-floor-ms-median)" ]; then
+	echo "  ambient ruleset (v4+v6, DNS, routes) into a fresh netns:"
+	vs BenchmarkProgramFresh "nft.Program, warm process / kernel floor" program-warm-ms-median kernel-floor-ms-median
+	vs BenchmarkProgramFresh "nft.Program, fresh process / kernel floor" program-cold-ms-median kernel-floor-ms-median
+	vs BenchmarkProgramFresh "Encode+Program, warm / kernel floor" apply-warm-ms-median kernel-floor-ms-median
+	vs BenchmarkProgramFresh "nft -f / nft.Program warm" nft-f-ms-median program-warm-ms-median
+	vs BenchmarkProgramFresh "nft -f / nft.Program fresh process" nft-f-ms-median program-cold-ms-median
+	vs BenchmarkProgramFresh "iptables-nft-restore / nft.Program warm" iptables-nft-restore-ms-median program-warm-ms-median
+	vs BenchmarkProgramFresh "iptables-legacy-restore / nft.Program warm" iptables-legacy-restore-ms-median program-warm-ms-median
+	vs BenchmarkProgramFresh "nft -f / kernel floor (the best ratio possible)" nft-f-ms-median kernel-floor-ms-median
+	printf "    (nsenter+exec of true, part of every tool figure: %s ms)\n" "$(m BenchmarkProgramFresh exec-baseline-ms-median)"
+fi
 ratio 'BenchmarkInsertMapRoundTrip' 'BenchmarkInsert-'
-b=$(ns 'BenchmarkApplyFresh/exec-baseline'); [ -n "$b" ] && awk -v b="$b" 'BEGIN {printf "  (nsenter+exec of true, part of every tool figure: %.2f ms)\n", b/1e6}'
 grep -E 's/1000pods' "$out" | awk '{for (i=1;i<=NF;i++) if ($(i+1)=="s/1000pods") printf "  1000 pod netns programmed concurrently: %s s\n", $i}'
-metric() { awk -v m="$1" '/^BenchmarkCNIAdd/ {for (i=1;i<=NF;i++) if ($(i+1)==m) {print $i; exit}}' "$out"; }
-if [ -n "$(metric primary-ms-median)" ]; then
-	echo "  CNI ADD, loopback+bridge+host-local via libcni (ms, median / p90):"
-	printf "    %-34s %6.2f / %6.2f\n" "primary chain alone" "$(metric primary-ms-median)" "$(metric primary-ms-p90)"
-	printf "    %-34s %6.2f / %6.2f\n" "+ nftcni, pod outside the mesh" "$(metric plain-ms-median)" "$(metric plain-ms-p90)"
-	printf "    %-34s %6.2f / %6.2f\n" "+ nftcni, enrolled (ambient)" "$(metric enrolled-ms-median)" "$(metric enrolled-ms-p90)"
-	printf "    %-34s %6.2f / %6.2f\n" "added by nftcni, enrolled" "$(metric added-enrolled-ms-median)" "$(metric added-enrolled-ms-p90)"
-	printf "    %-34s %6.2f\n" "added by nftcni, not enrolled" "$(metric added-plain-ms-median)"
-	printf "    %-34s %6.2f\n" "added by nftcni, excluded namespace" "$(metric added-excluded-ms-median)"
-	printf "    %-34s %6.2f\n" "added by reference tuning (no-op)" "$(metric added-tuning-ms-median)"
-	printf "    %-34s %6.2f\n" "nftcni beyond a no-op plugin, enrolled" "$(metric own-enrolled-ms-median)"
-	printf "    %-34s %6.2f\n" "nftcni beyond a no-op plugin, not enrolled" "$(metric own-plain-ms-median)"
-	printf "    %-34s %6.2f\n" "exec of nftcni for VERSION (floor)" "$(metric exec-ms-median)"
+if [ -n "$(m BenchmarkCNIAdd primary-ms-median)" ]; then
+	echo "  CNI ADD through libcni, loopback+bridge+host-local, one plugin appended:"
+	echo "   the appended plugin's exec inside the chain (libcni's own timing):"
+	vs BenchmarkCNIAdd "nftcni, enrolled (ambient) / reference tuning" enrolled-exec-ms-median tuning-exec-ms-median
+	vs BenchmarkCNIAdd "nftcni, pod outside the mesh / tuning" plain-exec-ms-median tuning-exec-ms-median
+	vs BenchmarkCNIAdd "nftcni, excluded namespace / tuning" excluded-exec-ms-median tuning-exec-ms-median
+	vs BenchmarkCNIAdd "nullplugin (least a Go plugin does) / tuning" null-exec-ms-median tuning-exec-ms-median
+	vs BenchmarkCNIAdd "nftcni enrolled / nullplugin (the Go floor)" enrolled-exec-ms-median null-exec-ms-median
+	echo "   exec alone:"
+	vs BenchmarkCNIAdd "nftcni VERSION / static Go hello-world" nftcni-version-exec-ms-median hello-exec-ms-median
+	vs BenchmarkCNIAdd "tuning VERSION / static Go hello-world" tuning-version-exec-ms-median hello-exec-ms-median
+	echo "   whole ADD (ms, median / p90):"
+	for v in primary tuning null excluded plain enrolled; do
+		printf "    %-52s %7.3f / %7.3f\n" "$v" "$(m BenchmarkCNIAdd $v-ms-median)" "$(m BenchmarkCNIAdd $v-ms-p90)"
+	done
 fi
 printf "  plugin binary (static, stripped): %s bytes\n" "$(stat -c %s bin/nftcni)"
 am() { awk -v m="$1" '/^BenchmarkAgentRestart500/ {for (i=1;i<=NF;i++) if ($(i+1)==m) {print $i; exit}}' "$out"; }
@@ -65,4 +82,5 @@ for gen in containerd-1.6 containerd-2; do
 	printf "    %-34s %6.2f / %6.2f\n" "+ nftcni, pod outside the mesh" "$(cm plain-ms-median)" "$(cm plain-ms-p90)"
 	printf "    %-34s %6.2f / %6.2f\n" "+ nftcni, enrolled (ambient)" "$(cm enrolled-ms-median)" "$(cm enrolled-ms-p90)"
 	printf "    %-34s %6.2f (no-op plugin: %.2f)\n" "added by nftcni, enrolled" "$(cm added-enrolled-ms-median)" "$(cm added-tuning-ms-median)"
+	awk -v a="$(cm enrolled-ms-median)" -v b="$(cm tuning-ms-median)" 'BEGIN {printf "    %-34s %6.2fx\n", "enrolled / + tuning", a/b}'
 done
