@@ -92,6 +92,9 @@ type cniNode struct {
 	agent   *node.Node
 	reg     *prometheus.Registry
 	ztunnel *ztunneltest.Ztunnel
+	// pluginLogLevel is our entry's plugin_log_level: debug for tests,
+	// the product's default (info) for benchmarks.
+	pluginLogLevel string
 }
 
 const (
@@ -104,7 +107,7 @@ func newCNINode(t testing.TB, subnet int) *cniNode {
 	root := t.TempDir()
 	n := &cniNode{t: t, node: testnet.NewNS(t, "nftnode"), subnet: subnet,
 		run: filepath.Join(root, "run"), data: filepath.Join(root, "ipam"), log: &syncBuffer{},
-		zsock: filepath.Join(root, "ztunnel", "ztunnel.sock")}
+		zsock: filepath.Join(root, "ztunnel", "ztunnel.sock"), pluginLogLevel: "debug"}
 	n.cni = libcni.NewCNIConfigWithCacheDir([]string{referencePlugins(t), binDir}, filepath.Join(root, "cache"), nil)
 	n.store = podsource.NewStore()
 	n.store.PutNamespace(&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: meshNS,
@@ -129,9 +132,15 @@ func (n *cniNode) enroller() *enrol.Enroller { return n.agent.Enroller }
 func (n *cniNode) startAgent() {
 	t := n.t
 	n.reg = prometheus.NewRegistry()
+	// The agent logs at the plugin's level, so that the plugin's records
+	// it forwards are kept.
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(n.pluginLogLevel)); err != nil {
+		t.Fatal(err)
+	}
 	a, err := node.Start(context.Background(), node.Config{RunDir: n.run, HostNetns: n.node.Path, ZtunnelSocket: n.zsock,
 		IPv6: true, Policy: n.policy, Store: n.store, LookupRetries: 2, Registry: n.reg,
-		Log: slog.New(slog.NewTextHandler(n.log, nil))})
+		Log: slog.New(slog.NewTextHandler(n.log, &slog.HandlerOptions{Level: level}))})
 	if err != nil {
 		t.Fatalf("starting the agent: %v\n%s", err, n.log)
 	}
@@ -173,7 +182,7 @@ func (n *cniNode) pod(namespace, name string, ann map[string]string) *corev1.Pod
 
 // entry is our conflist entry as the installer renders it.
 func (n *cniNode) entry(statusRequiresAgent bool) []byte {
-	v := templates.Values{LogLevel: "debug", AgentRunDir: n.run, ExcludeNamespaces: []string{"kube-system"},
+	v := templates.Values{LogLevel: n.pluginLogLevel, AgentRunDir: n.run, ExcludeNamespaces: []string{"kube-system"},
 		PodNamespace: "nftcni-system", StatusRequiresAgent: statusRequiresAgent}
 	e, err := templates.PluginEntry(v)
 	if err != nil {

@@ -281,6 +281,8 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 	errText := ""
 	if perr != nil {
 		errText = perr.Error()
+	} else {
+		c.debug("ruleset programmed", "mode", r.Mode, "decided_ms", t.Decided, "programmed_ms", t.Programmed)
 	}
 	// The call's logs and timings ride the outcome: no third message.
 	if _, err := c.askLean(wire.AppendOutcome(nil, errText, c.recs.take(), t), nil, wire.KindOutcome, wire.KindDone); err != nil && perr == nil {
