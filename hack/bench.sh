@@ -11,6 +11,8 @@ go test -run '^$' -bench . -benchmem -count=1 ./conflist ./agent/install | tee -
 # fresh-netns churn bounded.
 go test -run '^$' -bench 'ProgramFresh' -benchtime 200x -count=1 ./nft | tee -a "$out"
 go test -run '^$' -bench 'Apply1000Concurrent' -benchtime 3x -count=1 ./nft | tee -a "$out"
+# The agent's own steps of an enrolment (probe set entry, record).
+go test -run '^$' -bench 'Completion' -benchtime 500x -count=1 ./agent/enrol | tee -a "$out"
 # CNI ADD through libcni with the reference plugins: what nftcni adds.
 go test -run '^$' -bench 'CNIAdd' -benchtime 200x -count=1 ./integration | tee -a "$out"
 # Pod sandboxes through containerd's CRI (1.6 and 2.x), with and without nftcni.
@@ -47,6 +49,8 @@ if [ -n "$(m BenchmarkProgramFresh kernel-floor-ms-median)" ]; then
 	printf "    (nsenter+exec of true, part of every tool figure: %s ms)\n" "$(m BenchmarkProgramFresh exec-baseline-ms-median)"
 fi
 ratio 'BenchmarkInsertMapRoundTrip' 'BenchmarkInsert-'
+[ -n "$(m BenchmarkCompletion completion-ms-median)" ] && printf "  agent's completion of an ADD, median: probe set entry %s ms + record %s ms = %s ms\n" \
+	"$(m BenchmarkCompletion probe-ms-median)" "$(m BenchmarkCompletion record-ms-median)" "$(m BenchmarkCompletion completion-ms-median)"
 grep -E 's/1000pods' "$out" | awk '{for (i=1;i<=NF;i++) if ($(i+1)=="s/1000pods") printf "  1000 pod netns programmed concurrently: %s s\n", $i}'
 if [ -n "$(m BenchmarkCNIAdd primary-ms-median)" ]; then
 	echo "  CNI ADD through libcni, loopback+bridge+host-local, one plugin appended:"
