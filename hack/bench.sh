@@ -70,12 +70,15 @@ if [ -n "$(m BenchmarkCNIAdd primary-ms-median)" ]; then
 fi
 printf "  plugin binary (static, stripped): %s bytes\n" "$(stat -c %s bin/nftcni)"
 am() { awk -v m="$1" '/^BenchmarkAgentRestart500/ {for (i=1;i<=NF;i++) if ($(i+1)==m) {print $i; exit}}' "$out"; }
-if [ -n "$(am s/restart-500pods)" ]; then
-	echo "  agent with 500 enrolled pods (agent process, static pod source, test ztunnel):"
-	printf "    %-44s %8s\n" "enrolment through libcni, 8 at a time (pods/s)" "$(am pods/s-enrol)"
-	printf "    %-44s %8s\n" "restart to ready, all 500 restored (s)" "$(am s/restart-500pods)"
-	printf "    %-44s %8s\n" "agent RSS with 500 pods (MB)" "$(am MB-rss-500pods)"
-	printf "    %-44s %8s\n" "agent RSS after the restart (MB)" "$(am MB-rss-after-restart)"
+if [ -n "$(am s/ready-500pods)" ]; then
+	echo "  agent with 500 enrolled pods (agent process, static pod source, test ztunnel; medians):"
+	printf "    %-58s %8s\n" "enrolment through libcni, 8 at a time (pods/s)" "$(am pods/s-enrol)"
+	printf "    %-58s %8s\n" "restart: exec to ready, all 500 in ztunnel's snapshot (s)" "$(am s/ready-500pods)"
+	printf "    %-58s %8s\n" "restart: exec to the snapshot acked by the stand-in (s)" "$(am s/snapshot-acked-500pods)"
+	printf "    %-58s %8s\n" "agent RSS with 500 pods (MB)" "$(am MB-rss-500pods)"
+	printf "    %-58s %8s\n" "agent RSS after the restart (MB)" "$(am MB-rss-after-restart)"
+	printf "    %-58s %8s\n" "first verification pass, every ruleset listed (ms wall)" "$(am ms-first-verify-pass)"
+	printf "    %-58s %8s\n" "later verification passes (ms CPU each)" "$(am ms-cpu-per-verify-pass)"
 fi
 for gen in containerd-1.6 containerd-2; do
 	cm() { awk -v g="BenchmarkRunPodSandbox/$gen-" -v m="$1" 'index($1, g) == 1 {for (i=1;i<=NF;i++) if ($(i+1)==m) {print $i; exit}}' "$out"; }

@@ -218,7 +218,10 @@ func startAgent(t testing.TB, h *host, extra ...string) (*exec.Cmd, string, *age
 	return cmd, addr, logs
 }
 
-func waitReady(t testing.TB, addr string) {
+func waitReady(t testing.TB, addr string) { t.Helper(); waitReadyEvery(t, addr, 20*time.Millisecond) }
+
+// waitReadyEvery is waitReady polling every interval.
+func waitReadyEvery(t testing.TB, addr string, every time.Duration) {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
 	for time.Now().Before(deadline) {
@@ -229,7 +232,7 @@ func waitReady(t testing.TB, addr string) {
 				return
 			}
 		}
-		time.Sleep(20 * time.Millisecond)
+		time.Sleep(every)
 	}
 	t.Fatal("agent never became ready")
 }
