@@ -8,8 +8,6 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/component-helpers/scheduling/corev1/nodeaffinity"
 )
 
@@ -31,13 +29,13 @@ type ExitDecision struct {
 // When the API cannot say (unreachable after retries), the plugin stays:
 // a node that keeps a dormant entry is repaired by `nftcni-agent uninstall`,
 // while one that drops it during an upgrade starts pods uncaptured.
-func DecideExit(ctx context.Context, c kubernetes.Interface, namespace, daemonSet, node string, retry time.Duration) ExitDecision {
+func DecideExit(ctx context.Context, c API, namespace, daemonSet, node string, retry time.Duration) ExitDecision {
 	if namespace == "" || daemonSet == "" {
 		return ExitDecision{Reason: "no POD_NAMESPACE or DaemonSet name to look up: keeping the plugin"}
 	}
 	ref := namespace + "/" + daemonSet
 	get := func() (*appsv1.DaemonSet, error) {
-		return c.AppsV1().DaemonSets(namespace).Get(ctx, daemonSet, metav1.GetOptions{})
+		return c.GetDaemonSet(ctx, namespace, daemonSet)
 	}
 	ds, err := get()
 	for attempt := 1; attempt < 3 && err != nil && !decisive(err) && ctx.Err() == nil; attempt++ {
@@ -57,7 +55,7 @@ func DecideExit(ctx context.Context, c kubernetes.Interface, namespace, daemonSe
 	case ds.DeletionTimestamp != nil:
 		return ExitDecision{true, fmt.Sprintf("DaemonSet %s is being deleted", ref)}
 	}
-	n, err := c.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{})
+	n, err := c.GetNode(ctx, node)
 	switch {
 	case apierrors.IsNotFound(err):
 		return ExitDecision{true, fmt.Sprintf("node %s is gone from the cluster", node)}

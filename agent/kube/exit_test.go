@@ -13,8 +13,11 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
+	"k8s.io/client-go/tools/cache"
 )
 
 func daemonSet(selector map[string]string, deleting bool) *appsv1.DaemonSet {
@@ -66,7 +69,7 @@ func TestDecideExit(t *testing.T) {
 			if tc.nodeErr != nil {
 				c.PrependReactor("get", "nodes", func(k8stesting.Action) (bool, runtime.Object, error) { return true, nil, tc.nodeErr })
 			}
-			d := DecideExit(context.Background(), c, "kube-system", "nftcni-node", "node-a", time.Millisecond)
+			d := DecideExit(context.Background(), clientsetAPI{c}, "kube-system", "nftcni-node", "node-a", time.Millisecond)
 			if d.Uninstall != tc.uninstall || !strings.Contains(d.Reason, tc.reason) {
 				t.Errorf("got uninstall=%v %q, want uninstall=%v and a reason with %q", d.Uninstall, d.Reason, tc.uninstall, tc.reason)
 			}
@@ -78,8 +81,29 @@ func TestDecideExit(t *testing.T) {
 }
 
 func TestDecideExitWithoutANamespaceKeeps(t *testing.T) {
-	d := DecideExit(context.Background(), fake.NewClientset(), "", "nftcni-node", "node-a", time.Millisecond)
+	d := DecideExit(context.Background(), clientsetAPI{fake.NewClientset()}, "", "nftcni-node", "node-a", time.Millisecond)
 	if d.Uninstall {
 		t.Errorf("uninstall without knowing where to look: %q", d.Reason)
 	}
+}
+
+// clientsetAPI is API on client-go's fake clientset, whose reactors give
+// the tests their errors.
+type clientsetAPI struct{ c kubernetes.Interface }
+
+func (a clientsetAPI) ListWatch(resource string, tweak func(*metav1.ListOptions)) cache.ListerWatcher {
+	panic("not used by DecideExit")
+}
+
+func (a clientsetAPI) PatchPodStatus(ctx context.Context, namespace, name string, patch []byte) error {
+	_, err := a.c.CoreV1().Pods(namespace).Patch(ctx, name, types.MergePatchType, patch, metav1.PatchOptions{}, "status")
+	return err
+}
+
+func (a clientsetAPI) GetDaemonSet(ctx context.Context, namespace, name string) (*appsv1.DaemonSet, error) {
+	return a.c.AppsV1().DaemonSets(namespace).Get(ctx, name, metav1.GetOptions{})
+}
+
+func (a clientsetAPI) GetNode(ctx context.Context, name string) (*corev1.Node, error) {
+	return a.c.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
 }

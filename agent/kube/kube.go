@@ -18,9 +18,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/labels"
-	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/informers"
-	"k8s.io/client-go/kubernetes"
 	corelisters "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/workqueue"
@@ -30,12 +27,12 @@ import (
 
 // Source watches Kubernetes. It implements mesh.Store and mesh.Annotator.
 type Source struct {
-	client  kubernetes.Interface
+	api     API
 	log     *slog.Logger
 	pods    corelisters.PodLister
 	nss     corelisters.NamespaceLister
-	factory informers.SharedInformerFactory
-	nsFact  informers.SharedInformerFactory
+	podInf  cache.SharedIndexInformer
+	nsInf   cache.SharedIndexInformer
 	queue   workqueue.TypedRateLimitingInterface[string]
 	events  *prometheus.CounterVec
 	changed func()
@@ -43,8 +40,8 @@ type Source struct {
 
 // New watches the pods bound to node and all namespaces. changed (may be
 // nil) is called after any change that can alter the policy snapshot.
-func New(client kubernetes.Interface, node string, reg prometheus.Registerer, log *slog.Logger, changed func()) *Source {
-	s := &Source{client: client, log: log, changed: changed,
+func New(api API, node string, reg prometheus.Registerer, log *slog.Logger, changed func()) *Source {
+	s := &Source{api: api, log: log, changed: changed,
 		events: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "nodeagent_reconcile_events_total", Help: "Pod and namespace events queued for reconcile, by type.",
 		}, []string{"type"}),
@@ -57,20 +54,20 @@ func New(client kubernetes.Interface, node string, reg prometheus.Registerer, lo
 	if reg != nil {
 		reg.MustRegister(s.events)
 	}
-	s.factory = informers.NewSharedInformerFactoryWithOptions(client, 0,
-		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
-			o.FieldSelector = fields.OneTermEqualSelector("spec.nodeName", node).String()
-		}))
-	s.nsFact = informers.NewSharedInformerFactory(client, 0)
-	podInf := s.factory.Core().V1().Pods()
-	nsInf := s.nsFact.Core().V1().Namespaces()
-	s.pods, s.nss = podInf.Lister(), nsInf.Lister()
-	_, _ = podInf.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+	s.podInf = cache.NewSharedIndexInformer(api.ListWatch("pods", func(o *metav1.ListOptions) {
+		o.FieldSelector = fields.OneTermEqualSelector("spec.nodeName", node).String()
+	}), &corev1.Pod{}, 0, cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc})
+	s.nsInf = cache.NewSharedIndexInformer(api.ListWatch("namespaces", nil), &corev1.Namespace{}, 0, cache.Indexers{})
+	for _, inf := range []cache.SharedIndexInformer{s.podInf, s.nsInf} {
+		_ = inf.SetTransform(dropManagedFields)
+	}
+	s.pods, s.nss = corelisters.NewPodLister(s.podInf.GetIndexer()), corelisters.NewNamespaceLister(s.nsInf.GetIndexer())
+	_, _ = s.podInf.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(o any) { s.enqueuePod("add", o) },
 		UpdateFunc: func(_, o any) { s.enqueuePod("update", o) },
 		DeleteFunc: func(o any) { s.enqueuePod("delete", o) },
 	})
-	_, _ = nsInf.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+	_, _ = s.nsInf.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc: func(o any) { s.enqueueNamespace("add", o, nil) },
 		UpdateFunc: func(old, o any) {
 			s.enqueueNamespace("update", o, old)
@@ -78,6 +75,16 @@ func New(client kubernetes.Interface, node string, reg prometheus.Registerer, lo
 		DeleteFunc: func(o any) { s.notify() },
 	})
 	return s
+}
+
+// dropManagedFields keeps the server-side-apply bookkeeping out of the
+// caches: the agent never reads it, and on a pod it is often the largest
+// part of the object.
+func dropManagedFields(o any) (any, error) {
+	if m, ok := o.(metav1.Object); ok {
+		m.SetManagedFields(nil)
+	}
+	return o, nil
 }
 
 func (s *Source) notify() {
@@ -121,17 +128,10 @@ func (s *Source) enqueueNamespace(typ string, o, old any) {
 
 // Start runs the informers and waits for their caches.
 func (s *Source) Start(ctx context.Context) error {
-	s.factory.Start(ctx.Done())
-	s.nsFact.Start(ctx.Done())
-	for typ, ok := range s.factory.WaitForCacheSync(ctx.Done()) {
-		if !ok {
-			return fmt.Errorf("informer cache for %v did not sync", typ)
-		}
-	}
-	for typ, ok := range s.nsFact.WaitForCacheSync(ctx.Done()) {
-		if !ok {
-			return fmt.Errorf("informer cache for %v did not sync", typ)
-		}
+	go s.podInf.RunWithContext(ctx)
+	go s.nsInf.RunWithContext(ctx)
+	if !cache.WaitForCacheSync(ctx.Done(), s.podInf.HasSynced, s.nsInf.HasSynced) {
+		return fmt.Errorf("informer caches of pods and namespaces did not sync: %w", context.Cause(ctx))
 	}
 	return nil
 }
@@ -195,7 +195,7 @@ func (s *Source) SetRedirection(ctx context.Context, namespace, name, state stri
 		v = state
 	}
 	patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"annotations": map[string]any{enablement.AnnRedirection: v}}})
-	_, err := s.client.CoreV1().Pods(namespace).Patch(ctx, name, types.MergePatchType, patch, metav1.PatchOptions{}, "status")
+	err := s.api.PatchPodStatus(ctx, namespace, name, patch)
 	if err != nil && state == "" && apierrors.IsNotFound(err) {
 		return nil
 	}

@@ -17,7 +17,6 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"k8s.io/client-go/kubernetes"
 
 	"github.com/nftcni/nftcni/agent/enablement"
 	"github.com/nftcni/nftcni/agent/enrol"
@@ -45,7 +44,7 @@ type Config struct {
 
 	// Where pods come from: Kubernetes (Kube set), a static directory
 	// (StaticDir), a store filled by the caller (Store), or nothing.
-	Kube      kubernetes.Interface
+	Kube      kubesrc.API
 	StaticDir string
 	Store     *podsource.Store
 	NodeName  string

@@ -9,11 +9,11 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/nftcni/nftcni/agent/enablement"
+	kubesrc "github.com/nftcni/nftcni/agent/kube"
 	"github.com/nftcni/nftcni/agent/node"
 	"github.com/nftcni/nftcni/agent/runlock"
 	"github.com/nftcni/nftcni/agent/zds"
@@ -90,7 +90,7 @@ func (a *ambientFlags) restConfig() (*rest.Config, error) {
 
 // startNode starts the enrolment side (package node) with the flags' settings,
 // and returns the Kubernetes client when pods come from Kubernetes.
-func startNode(ctx context.Context, c *common, a *ambientFlags, policy *enablement.Policy, lock *runlock.Lock, reg prometheus.Registerer, log *slog.Logger) (*node.Node, kubernetes.Interface, error) {
+func startNode(ctx context.Context, c *common, a *ambientFlags, policy *enablement.Policy, lock *runlock.Lock, reg prometheus.Registerer, log *slog.Logger) (*node.Node, kubesrc.API, error) {
 	src, err := a.source()
 	if err != nil {
 		return nil, nil, err
@@ -106,9 +106,11 @@ func startNode(ctx context.Context, c *common, a *ambientFlags, policy *enableme
 		if err != nil {
 			return nil, nil, err
 		}
-		if cfg.Kube, err = kubernetes.NewForConfig(rc); err != nil {
+		kc, err := kubesrc.NewClient(rc)
+		if err != nil {
 			return nil, nil, err
 		}
+		cfg.Kube = kc
 		log.Info("watching Kubernetes", "api", rc.Host, "node", a.nodeName)
 	case "static":
 		cfg.StaticDir = a.podSource

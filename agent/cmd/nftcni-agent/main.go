@@ -26,7 +26,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
-	"k8s.io/client-go/kubernetes"
 
 	"github.com/nftcni/nftcni/agent/health"
 	"github.com/nftcni/nftcni/agent/install"
@@ -284,7 +283,7 @@ func runCmd(ctx context.Context, args []string) error {
 // decideExit asks Kubernetes whether this stop is an upgrade or an
 // uninstall (--on-exit auto). The run context is over by now, so the
 // lookup has its own deadline, well inside the pod's grace period.
-func (r *runFlags) decideExit(client kubernetes.Interface, namespace string, log *slog.Logger) bool {
+func (r *runFlags) decideExit(client kubesrc.API, namespace string, log *slog.Logger) bool {
 	if client == nil {
 		log.Info("on exit: not on Kubernetes, keeping the plugin (--on-exit uninstall removes it)")
 		return false
