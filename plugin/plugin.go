@@ -244,7 +244,7 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 		return c.printPrev(stdout)
 	}
 	pod := c.pod(prev)
-	netns, err := os.Open(args.Netns)
+	netns, err := openNetns(args.Netns)
 	if err != nil {
 		return fmt.Errorf("nftcni: opening the pod's netns: %w", err)
 	}
@@ -381,7 +381,7 @@ func (p *Plugin) Del(args *Args) error {
 		c.debug("passing through", "reason", why)
 		return nil
 	}
-	if netns, err := os.Open(args.Netns); err == nil {
+	if netns, err := openNetns(args.Netns); err == nil {
 		if err := nft.Delete(int(netns.Fd()), nft.PodCleanup()); err != nil {
 			c.warn("could not remove the pod's rules; they go with the netns", "err", err)
 		}
@@ -417,7 +417,7 @@ func (p *Plugin) Check(args *Args) (err error) {
 		return nil
 	}
 	pod := c.pod(prev)
-	netns, err := os.Open(args.Netns)
+	netns, err := openNetns(args.Netns)
 	if err != nil {
 		return fmt.Errorf("nftcni: opening the pod's netns: %w", err)
 	}
@@ -483,4 +483,16 @@ func (p *Plugin) GC(args *Args) error {
 		c.warn("GC: agent unreachable; it releases stale attachments itself when it returns", "err", err)
 	}
 	return nil
+}
+
+// openNetns opens a netns file as a blocking descriptor, which os.NewFile
+// never registers with the Go netpoller: os.Open would set the poller up
+// (an epoll instance, an eventfd, a registration the kernel refuses for a
+// nsfs file) in every plugin process for nothing.
+func openNetns(path string) (*os.File, error) {
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, &os.PathError{Op: "open", Path: path, Err: err}
+	}
+	return os.NewFile(uintptr(fd), path), nil
 }
