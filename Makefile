@@ -7,7 +7,7 @@ VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -s -w -X main.version=$(VERSION)
 export CGO_ENABLED := 0
 
-.PHONY: all build test unit bench demo lint fuzz clean deps cni-plugins k8s-bins containerd-bins helm docs manifest
+.PHONY: all build test unit bench demo lint fuzz clean deps cni-plugins k8s-bins containerd-bins helm istio-bins docs manifest
 
 # The reference CNI plugins and cnitool, built from the Go module proxy once
 # and cached: the end-to-end tests chain nftcni after them.
@@ -30,6 +30,10 @@ export NFTCNI_CONTAINERD2_BIN := $(CONTAINERD2_BIN)
 HELM_VERSION := v3.22.0
 HELM         := $(CACHE)/helm-$(HELM_VERSION)/helm
 export NFTCNI_HELM := $(HELM)
+# Istio's own CNI agent and plugin, for the side-by-side benchmark (about 5
+# minutes cold), pinned at the commit the anchor figures were measured at.
+ISTIO_BIN := $(CACHE)/istio-eed52ebb66ad
+export NFTCNI_ISTIO_BIN := $(ISTIO_BIN)
 
 all: build
 
@@ -55,6 +59,10 @@ docs: manifest
 manifest: helm
 	$(HELM) template nftcni deploy/charts/nftcni --namespace kube-system --kube-version 1.37.2 > deploy/nftcni.yaml
 
+istio-bins: $(ISTIO_BIN)/install-cni
+$(ISTIO_BIN)/install-cni:
+	./hack/istio-bins.sh $(ISTIO_BIN)
+
 containerd-bins: $(CONTAINERD2_BIN)/.complete
 $(CONTAINERD2_BIN)/.complete:
 	GOBIN=$(CONTAINERD2_BIN) $(GO) install -trimpath -ldflags '-s -w' -tags 'no_btrfs no_devmapper no_zfs no_aufs' \
@@ -76,7 +84,7 @@ $(CNI_BIN)/.complete:
 	GOBIN=$(CNI_BIN) $(GO) install -trimpath -ldflags '-s -w' github.com/containernetworking/cni/cnitool@$(CNI_VERSION)
 	touch $@
 
-bench: deps build cni-plugins containerd-bins
+bench: deps build cni-plugins k8s-bins containerd-bins istio-bins
 	./hack/bench.sh
 
 demo: deps build cni-plugins

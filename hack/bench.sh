@@ -15,6 +15,9 @@ go test -run '^$' -bench 'Apply1000Concurrent' -benchtime 3x -count=1 ./nft | te
 go test -run '^$' -bench 'Completion' -benchtime 500x -count=1 ./agent/enrol | tee -a "$out"
 # CNI ADD through libcni with the reference plugins: what nftcni adds.
 go test -run '^$' -bench 'CNIAdd' -benchtime 200x -count=1 ./integration | tee -a "$out"
+# Istio's own CNI (install-cni + istio-cni from the module proxy, make
+# istio-bins) through the same libcni harness, both of its backends.
+go test -run '^$' -bench 'IstioCNIAdd' -benchtime 60x -count=1 -timeout 30m ./integration | tee -a "$out"
 # Pod sandboxes through containerd's CRI (1.6 and 2.x), with and without nftcni.
 go test -run '^$' -bench 'RunPodSandbox' -benchtime 60x -count=1 -timeout 30m ./integration | tee -a "$out"
 # The agent with 500 enrolled pods: enrolment throughput, restart, memory.
@@ -66,6 +69,15 @@ if [ -n "$(m BenchmarkCNIAdd primary-ms-median)" ]; then
 	echo "   whole ADD (ms, median / p90):"
 	for v in primary tuning null excluded plain enrolled; do
 		printf "    %-52s %7.3f / %7.3f\n" "$v" "$(m BenchmarkCNIAdd $v-ms-median)" "$(m BenchmarkCNIAdd $v-ms-p90)"
+	done
+fi
+if [ -n "$(m BenchmarkIstioCNIAdd/iptables added-ambient-ms-median)" ] && [ -n "$(m BenchmarkCNIAdd added-enrolled-ms-median)" ]; then
+	echo "  latency added to a CNI ADD, Istio's CNI / nftcni (each over its own primary-alone median, same harness, same run):"
+	for be in iptables nftables; do
+		awk -v a="$(m BenchmarkIstioCNIAdd/$be added-ambient-ms-median)" -v b="$(m BenchmarkCNIAdd added-enrolled-ms-median)" -v l="ambient pod, Istio $be backend" \
+			'BEGIN {printf "    %-52s %7.2f / %5.2f ms = %5.1fx less\n", l, a, b, a/b}'
+		awk -v a="$(m BenchmarkIstioCNIAdd/$be added-plain-ms-median)" -v b="$(m BenchmarkCNIAdd added-plain-ms-median)" -v l="pod outside the mesh, Istio $be backend" \
+			'BEGIN {printf "    %-52s %7.2f / %5.2f ms = %5.1fx less\n", l, a, b, a/b}'
 	done
 fi
 printf "  plugin binary (static, stripped): %s bytes\n" "$(stat -c %s bin/nftcni)"

@@ -32,6 +32,7 @@ type Server struct {
 	Config     *rest.Config
 	Client     kubernetes.Interface
 	Kubeconfig string // a kubeconfig file for processes under test
+	Token      string // the bearer token of Kubeconfig (system:masters)
 	// AgentKubeconfig authenticates as the chart's service account,
 	// kube-system/nftcni, which can do only what RBAC objects the test
 	// creates allow.
@@ -156,6 +157,6 @@ func Start(t testing.TB) *Server {
 		}
 		return p
 	}
-	return &Server{Config: cfg, Client: kubernetes.NewForConfigOrDie(cfg),
+	return &Server{Config: cfg, Client: kubernetes.NewForConfigOrDie(cfg), Token: token,
 		Kubeconfig: kubeconfig("kubeconfig", token), AgentKubeconfig: kubeconfig("agent-kubeconfig", agentToken)}
 }

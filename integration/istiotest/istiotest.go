@@ -1,0 +1,220 @@
+// Package istiotest runs Istio's own CNI node agent (install-cni, ambient
+// mode) and plugin (istio-cni), built from the Go module proxy by
+// hack/istio-bins.sh, so benchmarks can measure them through the same
+// harness as nftcni. Test-only.
+//
+// install-cni reads fixed paths: its service account at
+// /var/run/secrets/kubernetes.io/serviceaccount, the plugin to copy at
+// /opt/cni/bin, the host's bin dir at /host/opt/cni/bin, the host's netns
+// at /host/proc/1/ns/net and pod netns under /host. It runs here in a
+// private mount namespace, chrooted into a root made of bind mounts (the
+// machine's /usr, /etc, /dev, /proc, /sys, /tmp and /run/netns, plus those
+// paths, /host/proc/1/ns/net being the test's node netns), and in that node
+// netns, so nothing it writes lands on the machine.
+package istiotest
+
+import (
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nftcni/nftcni/integration/testnet"
+)
+
+// Bins is the dir holding install-cni and istio-cni.
+func Bins(t testing.TB) string {
+	t.Helper()
+	dir := testnet.Cached("NFTCNI_ISTIO_BIN", "istio-eed52ebb66ad")
+	for _, b := range []string{"install-cni", "istio-cni"} {
+		if _, err := os.Stat(filepath.Join(dir, b)); err != nil {
+			t.Skipf("%s not found in %s: run `make istio-bins` (make bench does) or set NFTCNI_ISTIO_BIN", b, dir)
+		}
+	}
+	return dir
+}
+
+// Options say where the agent runs.
+type Options struct {
+	Node     *testnet.NS // the node's netns: the agent's host netns
+	ConfDir  string      // the node's CNI conf dir, holding the primary conflist
+	BinDir   string      // the node's CNI bin dir: install-cni copies istio-cni there
+	APIHost  string      // the API server as seen from the node netns (host:port)
+	Token    string      // a bearer token for it
+	NodeName string
+	// Nftables selects Istio's native nftables backend (NATIVE_NFTABLES);
+	// false: its iptables backend (iptables-nft here).
+	Nftables bool
+}
+
+// Agent is a running install-cni.
+type Agent struct {
+	RunDir        string // CNI_AGENT_RUN_DIR: its sockets and the plugin's kubeconfig
+	ZtunnelSocket string
+	log           string
+}
+
+// Log is the agent's output so far.
+func (a *Agent) Log() string {
+	b, _ := os.ReadFile(a.log)
+	return string(b)
+}
+
+// setup builds the root and execs the agent in it: $1 root, $2 node netns,
+// $3 the bins dir, $4 the service account dir, $5 the node's bin dir; the
+// rest is the agent's command line.
+const setup = `set -eu
+R=$1 NETNS=$2 BINS=$3 SA=$4 HOSTBIN=$5; shift 5
+mount -t tmpfs tmpfs "$R"
+for d in usr etc dev proc sys tmp run/netns opt/istio opt/cni/bin host/opt/cni/bin host/proc/1/ns host/var/run/netns var/run/secrets/kubernetes.io/serviceaccount; do mkdir -p "$R/$d"; done
+for l in bin sbin lib lib32 lib64 libx32; do [ -L /$l ] && ln -s "$(readlink /$l)" "$R/$l"; done
+for d in usr etc dev proc sys tmp run/netns; do mount --rbind /$d "$R/$d"; done
+mount --rbind /run/netns "$R/host/var/run/netns"
+: >"$R/host/proc/1/ns/net"
+mount --bind "$NETNS" "$R/host/proc/1/ns/net"
+# The nftables backend matches kubelet's probes by kubelet's UID, read from
+# a process named kubelet under /host/proc (istio#58185): one, as root.
+mkdir -p "$R/host/proc/4242"
+printf 'kubelet\n' >"$R/host/proc/4242/comm"
+printf '/usr/bin/kubelet\0' >"$R/host/proc/4242/cmdline"
+printf 'Name:\tkubelet\nUid:\t0\t0\t0\t0\nGid:\t0\t0\t0\t0\n' >"$R/host/proc/4242/status"
+mount --bind "$BINS" "$R/opt/istio"
+mount --bind "$BINS" "$R/opt/cni/bin"
+mount --bind "$HOSTBIN" "$R/host/opt/cni/bin"
+mount --bind "$SA" "$R/var/run/secrets/kubernetes.io/serviceaccount"
+exec nsenter --net="$NETNS" -- chroot "$R" "$@"
+`
+
+// Start runs install-cni until the test ends and waits until it has
+// patched the primary conflist and listens for ztunnel.
+func Start(t testing.TB, o Options) *Agent {
+	t.Helper()
+	bins := Bins(t)
+	dir := t.TempDir()
+	a := &Agent{RunDir: filepath.Join(dir, "run"), ZtunnelSocket: filepath.Join(dir, "ztunnel", "ztunnel.sock"), log: filepath.Join(dir, "install-cni.log")}
+	sa := filepath.Join(dir, "serviceaccount")
+	root := filepath.Join(dir, "root")
+	for _, d := range []string{a.RunDir, filepath.Dir(a.ZtunnelSocket), sa, root} {
+		if err := os.MkdirAll(d, 0o700); err != nil {
+			t.Fatal(err)
+		}
+	}
+	host, port, err := net.SplitHostPort(o.APIHost)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kubeconfig := filepath.Join(dir, "kubeconfig")
+	files := map[string]string{
+		filepath.Join(sa, "token"):     o.Token,
+		filepath.Join(sa, "namespace"): "istio-system",
+		kubeconfig: fmt.Sprintf("apiVersion: v1\nkind: Config\nclusters: [{name: c, cluster: {server: 'https://%s', insecure-skip-tls-verify: true}}]\n"+
+			"users: [{name: u, user: {token: %s}}]\ncontexts: [{name: x, context: {cluster: c, user: u}}]\ncurrent-context: x\n", o.APIHost, o.Token),
+	}
+	for p, c := range files {
+		if err := os.WriteFile(p, []byte(c), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	log, err := os.Create(a.log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	args := []string{"-m", "--propagation", "private", "--", "sh", "-c", setup, "istio-node",
+		root, o.Node.Path, bins, sa, o.BinDir,
+		"/opt/istio/install-cni",
+		"--mounted-cni-net-dir", o.ConfDir, "--cni-agent-run-dir", a.RunDir, "--ztunnel-uds-address", a.ZtunnelSocket,
+		"--ambient-enabled", "--repair-enabled=false", "--skip-tls-verify", "--chained-cni-plugin", "--log-level", "info"}
+	cmd := exec.Command("unshare", args...)
+	cmd.Env = []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+		"KUBERNETES_SERVICE_HOST=" + host, "KUBERNETES_SERVICE_PORT=" + port, "KUBECONFIG=" + kubeconfig,
+		"NODE_NAME=" + o.NodeName, "KUBERNETES_NODE_NAME=" + o.NodeName, "POD_NAMESPACE=istio-system", "POD_NAME=istio-cni-node-test",
+		// The istio-cni chart's defaults, which nftcni's match.
+		"EXCLUDE_NAMESPACES=kube-system", "AMBIENT_DNS_CAPTURE=true", "AMBIENT_IPV6=true",
+		"AMBIENT_ENABLE_AWS_BRANCH_ENI_PROBE=false", // reads /host/proc/sys, for AWS nodes only
+		`AMBIENT_ENABLEMENT_SELECTOR=[{"podSelector":{"matchLabels":{"istio.io/dataplane-mode":"ambient"}}},` +
+			`{"podSelector":{"matchExpressions":[{"key":"istio.io/dataplane-mode","operator":"NotIn","values":["none"]}]},` +
+			`"namespaceSelector":{"matchLabels":{"istio.io/dataplane-mode":"ambient"}}}]`,
+		fmt.Sprintf("NATIVE_NFTABLES=%v", o.Nftables)}
+	cmd.Stdout, cmd.Stderr = log, log
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(exited) }()
+	t.Cleanup(func() {
+		_ = cmd.Process.Signal(os.Interrupt)
+		select {
+		case <-exited:
+		case <-time.After(5 * time.Second):
+			_ = cmd.Process.Kill()
+			<-exited
+		}
+		log.Close()
+	})
+	for deadline := time.Now().Add(60 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		patched := false
+		if ents, _ := os.ReadDir(o.ConfDir); len(ents) > 0 {
+			for _, e := range ents {
+				b, _ := os.ReadFile(filepath.Join(o.ConfDir, e.Name()))
+				patched = patched || strings.Contains(string(b), `"istio-cni"`)
+			}
+		}
+		_, zerr := os.Stat(a.ZtunnelSocket)
+		if patched && zerr == nil {
+			return a
+		}
+		select {
+		case <-exited:
+			t.Fatalf("install-cni exited:\n%s", tail(a.log))
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("install-cni did not install itself and serve ztunnel within 60 s:\n%s", tail(a.log))
+		}
+	}
+}
+
+func tail(path string) string {
+	f, err := os.Open(path)
+	if err != nil {
+		return err.Error()
+	}
+	defer f.Close()
+	b, _ := io.ReadAll(f)
+	if len(b) > 6000 {
+		b = b[len(b)-6000:]
+	}
+	return string(b)
+}
+
+// Relay listens on 127.0.0.1 inside the netns ns and forwards each
+// connection to target in the test's own netns: the API server, for
+// processes in a node netns. It returns the address inside ns.
+func Relay(t testing.TB, ns *testnet.NS, target string) string {
+	t.Helper()
+	ln := ns.Listen(t, "127.0.0.1:0", false)
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				up, err := net.Dial("tcp", target)
+				if err != nil {
+					return
+				}
+				defer up.Close()
+				go func() { _, _ = io.Copy(up, c); up.(*net.TCPConn).CloseWrite() }()
+				_, _ = io.Copy(c, up)
+			}()
+		}
+	}()
+	return ln.Addr().String()
+}
