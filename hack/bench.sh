@@ -66,6 +66,8 @@ if [ -n "$(m BenchmarkCNIAdd primary-ms-median)" ]; then
 	echo "   exec alone:"
 	vs BenchmarkCNIAdd "nftcni VERSION / static Go hello-world" nftcni-version-exec-ms-median hello-exec-ms-median
 	vs BenchmarkCNIAdd "tuning VERSION / static Go hello-world" tuning-version-exec-ms-median hello-exec-ms-median
+	printf "    %-52s agent %s ms; plugin: decision at %s ms, rules in at %s ms from its start\n" "inside nftcni, enrolled (medians):" \
+		"$(m BenchmarkCNIAdd enrolled-agent-ms-median)" "$(m BenchmarkCNIAdd enrolled-plugin-decided-ms-median)" "$(m BenchmarkCNIAdd enrolled-plugin-programmed-ms-median)"
 	echo "   whole ADD (ms, median / p90):"
 	for v in primary tuning null excluded plain enrolled; do
 		printf "    %-52s %7.3f / %7.3f\n" "$v" "$(m BenchmarkCNIAdd $v-ms-median)" "$(m BenchmarkCNIAdd $v-ms-p90)"
@@ -102,4 +104,6 @@ for gen in containerd-1.6 containerd-2; do
 	printf "    %-34s %6.2f / %6.2f\n" "+ nftcni, enrolled (ambient)" "$(cm enrolled-ms-median)" "$(cm enrolled-ms-p90)"
 	printf "    %-34s %6.2f (no-op plugin: %.2f)\n" "added by nftcni, enrolled" "$(cm added-enrolled-ms-median)" "$(cm added-tuning-ms-median)"
 	awk -v a="$(cm enrolled-ms-median)" -v b="$(cm tuning-ms-median)" 'BEGIN {printf "    %-34s %6.2fx\n", "enrolled / + tuning", a/b}'
+	printf "    %-34s agent %s ms; plugin: decision at %s ms, rules in at %s ms from its start\n" "inside nftcni, enrolled (medians)" \
+		"$(cm enrolled-agent-ms-median)" "$(cm enrolled-plugin-decided-ms-median)" "$(cm enrolled-plugin-programmed-ms-median)"
 done

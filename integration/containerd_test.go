@@ -62,6 +62,7 @@ type criNode struct {
 	primary string // the primary conflist's path
 	podSrc  string
 	agent   *exec.Cmd
+	alog    *agentLog
 	metrics string // the agent's /metrics URL
 	z       *ztunneltest.Ztunnel
 	ctrd    *containerdtest.Containerd
@@ -113,9 +114,9 @@ func (n *criNode) startAgent(args ...string) {
 	t.Helper()
 	port := testnet.FreePort(t)
 	n.metrics = fmt.Sprintf("http://127.0.0.1:%d/metrics", port)
-	cmd, addr, _ := startAgent(t, n.h, append([]string{"--pod-source", n.podSrc, "--monitoring-port", fmt.Sprint(port)}, args...)...)
+	cmd, addr, alog := startAgent(t, n.h, append([]string{"--pod-source", n.podSrc, "--monitoring-port", fmt.Sprint(port)}, args...)...)
 	waitReady(t, addr)
-	n.agent = cmd
+	n.agent, n.alog = cmd, alog
 	n.z = ztunneltest.Connect(t, n.h.zsock)
 	n.z.Wait(zds.KindSnapshotSent, "", 30*time.Second)
 }

@@ -3,6 +3,7 @@ package integration
 import (
 	"context"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
@@ -87,7 +88,7 @@ func benchIstio(b *testing.B, kube *kubetest.Server, subnet int, nftables bool) 
 	if err != nil {
 		b.Fatal(err)
 	}
-	timed := newTimedExec()
+	timed := newTimedExec(io.Discard) // istio-cni logs each call to stderr; keep the benchmark lines whole
 	n.cni = libcni.NewCNIConfigWithCacheDir([]string{referencePlugins(b), istioBin}, b.TempDir(), timed)
 	lists := map[string]*libcni.NetworkConfigList{"primary": primary, "ambient": withIstio, "plain": withIstio}
 	// Every round's pods exist in the API server before the round: Istio's

@@ -2,6 +2,7 @@ package integration
 
 import (
 	"context"
+	"io"
 	"os"
 	"path/filepath"
 	"sync"
@@ -19,8 +20,12 @@ type timedExec struct {
 	times map[string][]time.Duration // by plugin binary name
 }
 
-func newTimedExec() *timedExec {
-	return &timedExec{DefaultExec: invoke.DefaultExec{RawExec: &invoke.RawExec{Stderr: os.Stderr}, PluginDecoder: version.PluginDecoder{}},
+// newTimedExec passes the plugins' stderr to stderr (nil: os.Stderr).
+func newTimedExec(stderr io.Writer) *timedExec {
+	if stderr == nil {
+		stderr = os.Stderr
+	}
+	return &timedExec{DefaultExec: invoke.DefaultExec{RawExec: &invoke.RawExec{Stderr: stderr}, PluginDecoder: version.PluginDecoder{}},
 		times: map[string][]time.Duration{}}
 }
 
