@@ -54,7 +54,7 @@ func install(t *testing.T, path string, data []byte) []byte {
 		t.Fatal(err)
 	}
 	if c.Kind == Single {
-		out, err := FromSingle(c, ptype, testEntry)
+		out, err := FromSingle(c, "", ptype, testEntry)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -190,7 +190,7 @@ func TestParseRejectsMalformed(t *testing.T) {
 	}
 }
 
-func TestNeverRaisesCNIVersion(t *testing.T) {
+func TestChainingStartsAt030AndFromSingleKeepsTheVersion(t *testing.T) {
 	for _, v := range []string{"", "0.1.0", "0.2.0"} {
 		c, err := Parse("x.conf", []byte(`{"cniVersion":"`+v+`","name":"n","type":"bridge"}`))
 		if err != nil {
@@ -201,7 +201,7 @@ func TestNeverRaisesCNIVersion(t *testing.T) {
 		}
 	}
 	c, _ := Parse("x.conf", []byte(`{"cniVersion":"0.3.0","name":"n","type":"bridge"}`))
-	out, err := FromSingle(c, ptype, testEntry)
+	out, err := FromSingle(c, "", ptype, testEntry)
 	if err != nil {
 		t.Fatal(err)
 	}

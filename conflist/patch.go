@@ -49,20 +49,31 @@ func decode(b []byte) (any, error) {
 	return v, err
 }
 
-// CheckChainable refuses a cniVersion older than 0.3.0: plugin lists and
-// prevResult chaining do not exist before it, and we never raise a version
-// (istio#32137: forcing 0.3.1 broke plugins that only speak older ones).
-func CheckChainable(c *Config) error {
+// PredatesChaining says whether c's cniVersion (none: 0.1.0) is older than
+// 0.3.0, where plugin lists and prevResult begin.
+func PredatesChaining(c *Config) (bool, error) {
 	v := c.CNIVersion
 	if v == "" {
 		v = "0.1.0"
 	}
 	ok, err := version.GreaterThanOrEqualTo(v, "0.3.0")
 	if err != nil {
-		return invalid(c.Path, "cniVersion %q: %v", c.CNIVersion, err)
+		return false, invalid(c.Path, "cniVersion %q: %v", c.CNIVersion, err)
 	}
-	if !ok {
-		return fmt.Errorf("%s: cniVersion %q predates plugin chaining (0.3.0); nftcni will not raise it, use --mode standalone", c.Path, c.CNIVersion)
+	return !ok, nil
+}
+
+// CheckChainable refuses a cniVersion older than 0.3.0, which a config can
+// only be chained into by raising it (FromSingle, with a version its plugin
+// speaks: istio#32137, forcing 0.3.1 broke plugins that only speak older
+// ones).
+func CheckChainable(c *Config) error {
+	old, err := PredatesChaining(c)
+	if err != nil {
+		return err
+	}
+	if old {
+		return fmt.Errorf("%s: cniVersion %q predates plugin chaining (0.3.0)", c.Path, c.CNIVersion)
 	}
 	return nil
 }
@@ -172,17 +183,22 @@ func format(entry []byte, sep, unit string) string {
 }
 
 // FromSingle turns a single-plugin config into a network list that keeps its
-// name and cniVersion (never raised) and holds the original plugin object
-// followed by our entry. The original object keeps its keys; libcni sets name
-// and cniVersion on each plugin from the list anyway.
-func FromSingle(c *Config, ptype string, entry []byte) ([]byte, error) {
+// name and cniVersion and holds the original plugin object followed by our
+// entry. A non-empty version replaces the cniVersion of a config older than
+// chaining (the caller asks the plugin which it speaks). The original object
+// keeps its bytes; libcni sets name and cniVersion on each plugin from the
+// list anyway.
+func FromSingle(c *Config, version, ptype string, entry []byte) ([]byte, error) {
 	if c.Kind != Single {
 		return nil, fmt.Errorf("%s is not a single-plugin config", c.Path)
 	}
+	if version == "" {
+		version = c.CNIVersion
+	}
 	doc := []byte("{}")
 	var err error
-	if c.CNIVersion != "" {
-		doc, _ = sjson.SetBytes(doc, "cniVersion", c.CNIVersion)
+	if version != "" {
+		doc, _ = sjson.SetBytes(doc, "cniVersion", version)
 	}
 	doc, _ = sjson.SetBytes(doc, "name", c.Name)
 	doc, err = sjson.SetRawBytes(doc, "plugins", []byte("["+strings.TrimSpace(string(c.Data))+"]"))

@@ -6,6 +6,7 @@ package install
 
 import (
 	"bytes"
+	"context"
 	"crypto/sha256"
 	"errors"
 	"fmt"
@@ -16,7 +17,10 @@ import (
 	"strings"
 	"sync"
 	"syscall"
+	"time"
 
+	"github.com/containernetworking/cni/pkg/invoke"
+	"github.com/containernetworking/cni/pkg/version"
 	"github.com/tidwall/gjson"
 
 	"github.com/nftcni/nftcni/conflist"
@@ -278,23 +282,66 @@ func (in *Installer) primary(res *Result) (*conflist.Config, error) {
 	return nil, fmt.Errorf("%w: pinned file %s not found in %s", conflist.ErrNoConfig, pinned, in.cfg.ConfDir)
 }
 
-// chainablePrimary finds the primary config and checks we can chain into it.
-func (in *Installer) chainablePrimary(res *Result) (*conflist.Config, error) {
-	c, err := in.primary(res)
-	if err != nil {
-		return nil, err
+// chainablePrimary finds the primary config and checks we can chain into
+// it. A single-plugin config older than chaining (0.3.0) can be, converted
+// to a list at a newer cniVersion its plugin speaks: raise is that version
+// ("" for any other config).
+func (in *Installer) chainablePrimary(res *Result) (c *conflist.Config, raise string, err error) {
+	if c, err = in.primary(res); err != nil {
+		return nil, "", err
 	}
 	res.Primary = c.Path
-	return c, conflist.CheckChainable(c)
+	old, err := conflist.PredatesChaining(c)
+	if err != nil || !old {
+		return c, "", err
+	}
+	if c.Kind != conflist.Single {
+		return nil, "", conflist.CheckChainable(c) // a list that old is not a CNI config
+	}
+	raise, err = in.chainVersion(c)
+	return c, raise, err
+}
+
+// chainVersion is the cniVersion a single-plugin config older than chaining
+// is converted with: the lowest at or above 0.3.0 that its plugin reports
+// (CNI VERSION, through libcni's invoke), so the primary is never run at a
+// version it does not speak. istio-cni raises every such file to 0.3.1.
+func (in *Installer) chainVersion(c *conflist.Config) (string, error) {
+	typ := gjson.GetBytes(c.Data, "type").Str
+	what := fmt.Sprintf("%s: cniVersion %q predates plugin chaining (0.3.0), so nftcni converts it with a version its plugin %q speaks", c.Path, c.CNIVersion, typ)
+	path, err := invoke.FindInPath(typ, in.cfg.BinDirs)
+	if err != nil {
+		return "", fmt.Errorf("%s, but cannot ask it: %w", what, err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	info, err := invoke.GetVersionInfo(ctx, path, nil)
+	if err != nil {
+		return "", fmt.Errorf("%s, but %s did not answer VERSION: %w", what, path, err)
+	}
+	best := ""
+	for _, v := range info.SupportedVersions() {
+		chains, err := version.GreaterThanOrEqualTo(v, "0.3.0")
+		if err != nil || !chains {
+			continue
+		}
+		if lower, _ := version.GreaterThanOrEqualTo(best, v); best == "" || lower {
+			best = v
+		}
+	}
+	if best == "" {
+		return "", fmt.Errorf("%s, but %s speaks only %v: nftcni cannot chain after it; use --mode standalone", what, path, info.SupportedVersions())
+	}
+	return best, nil
 }
 
 func (in *Installer) ensureChained(res *Result) error {
-	c, err := in.chainablePrimary(res)
+	c, raise, err := in.chainablePrimary(res)
 	if err != nil {
 		return err
 	}
 	if c.Kind == conflist.Single {
-		return in.convertSingle(c, res)
+		return in.convertSingle(c, raise, res)
 	}
 	out, err := conflist.Insert(c.Data, templates.PluginType, in.cfg.Entry)
 	if err != nil {
@@ -315,7 +362,7 @@ func (in *Installer) ensureChained(res *Result) error {
 // moves X.conf aside to X.conf.nftcni-orig so it no longer sorts first; the
 // backup is what uninstall restores. Either step may be interrupted: the
 // next pass finds X.conf still first and redoes both.
-func (in *Installer) convertSingle(c *conflist.Config, res *Result) error {
+func (in *Installer) convertSingle(c *conflist.Config, raise string, res *Result) error {
 	listPath := strings.TrimSuffix(c.Path, filepath.Ext(c.Path)) + ".conflist"
 	if cur, err := conflist.ReadFile(listPath); err == nil {
 		if len(conflist.Entries(cur, templates.PluginType)) == 0 {
@@ -324,7 +371,7 @@ func (in *Installer) convertSingle(c *conflist.Config, res *Result) error {
 	} else if !errors.Is(err, fs.ErrNotExist) {
 		return err
 	}
-	out, err := conflist.FromSingle(c, templates.PluginType, in.cfg.Entry)
+	out, err := conflist.FromSingle(c, raise, templates.PluginType, in.cfg.Entry)
 	if err != nil {
 		return fmt.Errorf("converting %s: %w", c.Path, err)
 	}
@@ -340,20 +387,25 @@ func (in *Installer) convertSingle(c *conflist.Config, res *Result) error {
 	if err := conflist.Rename(c.Path, c.Path+BackupSuffix); err != nil {
 		return fmt.Errorf("moving converted %s aside: %w", c.Path, err)
 	}
-	in.log.Info("converted single-plugin config to a list with nftcni", "from", c.Path, "to", listPath, "backup", c.Path+BackupSuffix)
+	if raise != "" {
+		in.log.Info("converted single-plugin config to a list with nftcni, at a cniVersion its plugin speaks: the file's predates plugin chaining",
+			"from", c.Path, "to", listPath, "backup", c.Path+BackupSuffix, "cniVersion", c.CNIVersion, "converted-to", raise)
+	} else {
+		in.log.Info("converted single-plugin config to a list with nftcni", "from", c.Path, "to", listPath, "backup", c.Path+BackupSuffix)
+	}
 	res.Config = listPath
 	res.Wrote = append(res.Wrote, listPath)
 	return nil
 }
 
 func (in *Installer) ensureOwned(res *Result) error {
-	c, err := in.chainablePrimary(res)
+	c, raise, err := in.chainablePrimary(res)
 	if err != nil {
 		return err
 	}
 	var out []byte
 	if c.Kind == conflist.Single {
-		out, err = conflist.FromSingle(c, templates.PluginType, in.cfg.Entry)
+		out, err = conflist.FromSingle(c, raise, templates.PluginType, in.cfg.Entry)
 	} else {
 		out, err = conflist.Insert(c.Data, templates.PluginType, in.cfg.Entry)
 	}
@@ -392,9 +444,12 @@ func (in *Installer) ensureStandalone(res *Result) error {
 }
 
 func (in *Installer) ensureDropIn(res *Result) error {
-	c, err := in.chainablePrimary(res)
+	c, raise, err := in.chainablePrimary(res)
 	if err != nil {
 		return err
+	}
+	if raise != "" {
+		return fmt.Errorf("%s: cniVersion %q predates plugin chaining, and a drop-in cannot raise it; use --mode chained or owned", c.Path, c.CNIVersion)
 	}
 	if gjson.GetBytes(c.Data, "loadOnlyInlinedPlugins").Bool() {
 		return fmt.Errorf("%s sets loadOnlyInlinedPlugins: runtimes ignore drop-in plugins for it; use --mode chained or owned", c.Path)

@@ -608,3 +608,96 @@ func TestFightWithAnotherWriter(t *testing.T) {
 		t.Errorf("no fight warning naming %s with the Cilium hint in logs:\n%s", p, logs)
 	}
 }
+
+// fakePlugin puts a plugin of type typ in the node's bin dir that answers
+// CNI VERSION with versions, as libcni's invoke asks it.
+func (n *node) fakePlugin(t *testing.T, typ string, versions ...string) {
+	t.Helper()
+	list := `"` + strings.Join(versions, `","`) + `"`
+	script := "#!/bin/sh\n[ \"$CNI_COMMAND\" = VERSION ] || exit 1\ncat >/dev/null\n" +
+		`echo '{"cniVersion":"` + versions[len(versions)-1] + `","supportedVersions":[` + list + `]}'` + "\n"
+	if err := os.WriteFile(filepath.Join(n.bin, typ), []byte(script), 0o755); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// The CNI project's README example: a single-plugin .conf at 0.2.0, which
+// predates chaining. It is converted at the lowest version its plugin
+// reports at or above 0.3.0, and uninstall gives the original bytes back.
+const cniReadmeConf = `{
+	"cniVersion": "0.2.0",
+	"name": "mynet",
+	"type": "bridge",
+	"bridge": "cni0",
+	"isGateway": true,
+	"ipMasq": true,
+	"ipam": {
+		"type": "host-local",
+		"subnet": "10.22.0.0/16",
+		"routes": [
+			{ "dst": "0.0.0.0/0" }
+		]
+	}
+}
+`
+
+func TestConfOlderThanChainingIsConvertedAtAVersionItsPluginSpeaks(t *testing.T) {
+	for _, mode := range []Mode{Chained, Owned} {
+		t.Run(string(mode), func(t *testing.T) {
+			n := newNode(t)
+			n.fakePlugin(t, "bridge", "0.1.0", "0.2.0", "0.3.1", "0.4.0") // no 0.3.0: the answer must come from the plugin
+			n.put(t, "10-mynet.conf", []byte(cniReadmeConf), 0o644)
+			before := snapshot(t, n.conf)
+			in := n.installer(t, mode, "")
+			res, err := in.Install()
+			if err != nil {
+				t.Fatal(err)
+			}
+			got := n.read(t, filepath.Base(res.Config))
+			if v := gjson.GetBytes(got, "cniVersion").Str; v != "0.3.1" {
+				t.Errorf("converted at cniVersion %q, want 0.3.1 (the lowest the plugin speaks at or above 0.3.0):\n%s", v, got)
+			}
+			if orig := gjson.GetBytes(got, "plugins.0"); orig.Get("bridge").Str != "cni0" || orig.Get("ipam.subnet").Str != "10.22.0.0/16" {
+				t.Errorf("the original plugin object is not the list's first:\n%s", got)
+			}
+			if !conflist.HasEntry(got, templates.PluginType, in.cfg.Entry) {
+				t.Errorf("no nftcni entry:\n%s", got)
+			}
+			if mode == Chained && !strings.Contains(n.logs.String(), "converted-to=0.3.1") {
+				t.Errorf("conversion not logged with its versions:\n%s", n.logs)
+			}
+			if res2, err := in.Install(); err != nil || len(res2.Wrote) != 0 {
+				t.Errorf("second install wrote %v (err %v), want nothing", res2.Wrote, err)
+			}
+			if err := in.Uninstall(); err != nil {
+				t.Fatal(err)
+			}
+			sameTree(t, "after uninstall", before, snapshot(t, n.conf))
+		})
+	}
+}
+
+func TestConfOlderThanChainingIsRefusedWhenItsPluginCannotChain(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		versions []string // nil: no plugin binary
+		want     string
+	}{
+		{"plugin speaks only old versions", []string{"0.1.0", "0.2.0"}, "speaks only [0.1.0 0.2.0]"},
+		{"plugin missing", nil, "cannot ask it"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			n := newNode(t)
+			if tc.versions != nil {
+				n.fakePlugin(t, "bridge", tc.versions...)
+			}
+			n.put(t, "10-mynet.conf", []byte(cniReadmeConf), 0o644)
+			before := snapshot(t, n.conf)
+			_, err := n.installer(t, Chained, "").Install()
+			if err == nil || !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), "predates plugin chaining") {
+				t.Fatalf("install: %v, want an error saying %q", err, tc.want)
+			}
+			sameTree(t, "after a refused install", before, snapshot(t, n.conf))
+		})
+	}
+}
