@@ -92,6 +92,13 @@ func (f *fake) GC(_ context.Context, v []wire.Attachment) error {
 }
 func (f *fake) Ready() error { return nil }
 
+// seenOutcomes is what the handler saw of the plugin's outcomes so far.
+func (f *fake) seenOutcomes() []error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return append([]error(nil), f.outcomes...)
+}
+
 func (f *fake) Inspect(uid string) *wire.Inspect { return &wire.Inspect{ZDS: "zds state of " + uid} }
 
 type harness struct {
@@ -292,7 +299,7 @@ func TestBadClients(t *testing.T) {
 	}
 	c.Close()
 	waitUntil(t, func() bool { f.mu.Lock(); defer f.mu.Unlock(); return len(f.outcomes) == 1 })
-	if f.outcomes[0] == nil {
+	if f.seenOutcomes()[0] == nil {
 		t.Error("a plugin that went away was reported as enrolled")
 	}
 	// Still serving, and every descriptor it received is closed.
@@ -358,8 +365,8 @@ func TestAddConversationAndLogs(t *testing.T) {
 		defer hs.logMu.Unlock()
 		return strings.Contains(hs.log.String(), `level=WARN msg="from the plugin" source=plugin pod=ns/p`)
 	})
-	if len(f.outcomes) != 1 || f.outcomes[0] != nil {
-		t.Errorf("handler saw %v, want one successful outcome", f.outcomes)
+	if got := f.seenOutcomes(); len(got) != 1 || got[0] != nil {
+		t.Errorf("handler saw %v, want one successful outcome", got)
 	}
 	if got := testutil.ToFloat64(hs.metrics.Requests.WithLabelValues("add", "success")); got != 1 {
 		t.Errorf("add success counted %v", got)

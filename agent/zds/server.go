@@ -43,6 +43,12 @@ type pod struct {
 
 // Server is the agent's end of ZDS.
 type Server struct {
+	// AckTimeout bounds each request to a ztunnel, from the moment it is
+	// asked for (waiting for the connection included) to its ack: a hung
+	// ztunnel is dropped after it and delays no pod event longer. Set
+	// before Serve; default 5 s.
+	AckTimeout time.Duration
+
 	log       *slog.Logger
 	connected prometheus.Gauge
 
@@ -57,7 +63,7 @@ func NewServer(log *slog.Logger, reg prometheus.Registerer) *Server {
 	if reg != nil {
 		reg.MustRegister(g)
 	}
-	return &Server{log: log, connected: g, pods: map[string]*pod{}}
+	return &Server{AckTimeout: ackTimeout, log: log, connected: g, pods: map[string]*pod{}}
 }
 
 // Listen binds the ZDS socket, root-only (ztunnel runs as root), in a
@@ -107,7 +113,7 @@ func (s *Server) handshake(ctx context.Context, uc *net.UnixConn) {
 		uc.Close()
 		return
 	}
-	c := &conn{uc: uc}
+	c := newConn(uc)
 	_ = uc.SetReadDeadline(time.Now().Add(helloTimeout))
 	b, _, err := c.recv()
 	if err == nil {
@@ -135,7 +141,7 @@ func (s *Server) handshake(ctx context.Context, uc *net.UnixConn) {
 		if p.netns != nil {
 			r = &Request{Kind: KindAdd, UID: uid, Info: &p.info}
 		}
-		if err := c.request(r, p.netns); err != nil {
+		if err := c.request(r, p.netns, time.Now().Add(s.AckTimeout)); err != nil {
 			// ztunnel refusing one pod is logged; a broken connection ends it.
 			var refused *AckError
 			if !errors.As(err, &refused) {
@@ -147,7 +153,7 @@ func (s *Server) handshake(ctx context.Context, uc *net.UnixConn) {
 			s.log.Warn("ztunnel refused a pod in the snapshot", "uid", uid, "pod", p.info.Namespace+"/"+p.info.Name, "err", err)
 		}
 	}
-	if err := c.request(&Request{Kind: KindSnapshotSent}, nil); err != nil {
+	if err := c.request(&Request{Kind: KindSnapshotSent}, nil, time.Now().Add(s.AckTimeout)); err != nil {
 		s.mu.Unlock()
 		s.log.Warn("ZDS snapshot failed; waiting for ztunnel to reconnect", "err", err)
 		uc.Close()
@@ -170,9 +176,13 @@ func (s *Server) watch(ctx context.Context, c *conn) {
 			return
 		case <-t.C:
 		}
-		c.mu.Lock()
-		alive := c.alive()
-		c.mu.Unlock()
+		alive := true
+		select {
+		case c.turn <- struct{}{}: // idle: poll it
+			alive = c.alive()
+			<-c.turn
+		default: // a request is in flight and has its own deadline
+		}
 		if !alive {
 			s.drop(c, errors.New("ztunnel hung up"))
 			return
@@ -235,7 +245,7 @@ func (s *Server) Add(ctx context.Context, uid string, info WorkloadInfo, netns *
 	}
 	c := s.conns[len(s.conns)-1]
 	s.mu.Unlock()
-	if err := c.requestLocked(&Request{Kind: KindAdd, UID: uid, Info: &info}, netns); err != nil {
+	if err := c.requestWithin(&Request{Kind: KindAdd, UID: uid, Info: &info}, netns, s.AckTimeout); err != nil {
 		var refused *AckError
 		if !errors.As(err, &refused) {
 			s.drop(c, err)
@@ -276,15 +286,23 @@ func (s *Server) Del(uid string) {
 	if !held {
 		return
 	}
+	// To every connection at once: a hung one costs the deadline once,
+	// not once per connection.
+	var wg sync.WaitGroup
 	for _, c := range cs {
-		if err := c.requestLocked(&Request{Kind: KindDel, UID: uid}, nil); err != nil {
-			var refused *AckError
-			if !errors.As(err, &refused) {
-				s.drop(c, err)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := c.requestWithin(&Request{Kind: KindDel, UID: uid}, nil, s.AckTimeout); err != nil {
+				var refused *AckError
+				if !errors.As(err, &refused) {
+					s.drop(c, err)
+				}
+				s.log.Warn("ztunnel DelWorkload failed", "uid", uid, "err", err)
 			}
-			s.log.Warn("ztunnel DelWorkload failed", "uid", uid, "err", err)
-		}
+		}()
 	}
+	wg.Wait()
 }
 
 // Known lists the UIDs the server remembers, sorted.
@@ -322,18 +340,35 @@ func (e *AckError) Error() string { return "ztunnel refused: " + e.Msg }
 
 // conn is one ztunnel connection; requests are in lockstep with acks.
 type conn struct {
-	mu sync.Mutex
-	uc *net.UnixConn
+	// turn is held (a value in it) by the one request in flight; a channel
+	// rather than a mutex so that waiting for it has a deadline.
+	turn chan struct{}
+	uc   *net.UnixConn
 }
 
-func (c *conn) requestLocked(r *Request, fd *os.File) error {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.request(r, fd)
+func newConn(uc *net.UnixConn) *conn { return &conn{turn: make(chan struct{}, 1), uc: uc} }
+
+// errStuck: the connection is busy with a request ztunnel has not acked.
+var errStuck = errors.New("ztunnel has not acked the request before it")
+
+// requestWithin sends r once the connection is free and waits for its ack,
+// all within d.
+func (c *conn) requestWithin(r *Request, fd *os.File, d time.Duration) error {
+	deadline := time.Now().Add(d)
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case c.turn <- struct{}{}:
+	case <-t.C:
+		return fmt.Errorf("sending %s within %v: %w", r.Kind, d, errStuck)
+	}
+	defer func() { <-c.turn }()
+	return c.request(r, fd, deadline)
 }
 
-// request sends r (with fd on Add) and waits for its ack. c.mu is held.
-func (c *conn) request(r *Request, fd *os.File) error {
+// request sends r (with fd on Add) and waits for its ack until deadline.
+// The caller has the connection's turn.
+func (c *conn) request(r *Request, fd *os.File, deadline time.Time) error {
 	b, err := EncodeRequest(r)
 	if err != nil {
 		return err
@@ -342,7 +377,7 @@ func (c *conn) request(r *Request, fd *os.File) error {
 	if fd != nil {
 		oob = unix.UnixRights(int(fd.Fd()))
 	}
-	_ = c.uc.SetDeadline(time.Now().Add(ackTimeout))
+	_ = c.uc.SetDeadline(deadline)
 	defer c.uc.SetDeadline(time.Time{})
 	if _, _, err := c.uc.WriteMsgUnix(b, oob, nil); err != nil {
 		return fmt.Errorf("sending %s: %w", r.Kind, err)

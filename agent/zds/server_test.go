@@ -3,8 +3,10 @@ package zds_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"os"
 	"path/filepath"
 	"sort"
@@ -19,7 +21,8 @@ import (
 
 const wait = 3 * time.Second
 
-func serve(t *testing.T) (*zds.Server, string) {
+// serve runs a server; configure, if any, sets it up before it serves.
+func serve(t *testing.T, configure ...func(*zds.Server)) (*zds.Server, string) {
 	t.Helper()
 	testnet.RequireRoot(t)
 	path := filepath.Join(t.TempDir(), "ztunnel", "ztunnel.sock")
@@ -28,6 +31,9 @@ func serve(t *testing.T) (*zds.Server, string) {
 		t.Fatal(err)
 	}
 	s := zds.NewServer(slog.New(slog.NewTextHandler(io.Discard, nil)), nil)
+	for _, c := range configure {
+		c(s)
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { _ = s.Serve(ctx, l); close(done) }()
@@ -192,4 +198,139 @@ func TestRefusalAndHangUp(t *testing.T) {
 	if err := s.Add(context.Background(), "uid-y", zds.WorkloadInfo{}, openNS(t, pod)); !errors.Is(err, zds.ErrNoZtunnel) {
 		t.Errorf("Add after hang-up: %v", err)
 	}
+}
+
+// A rolling update of ztunnel: two connected at once. Both get full
+// snapshots, new pods go to the newest, Dels reach both, and 50 ADDs made
+// while both are connected all succeed.
+func TestRollingUpdateTwoZtunnels(t *testing.T) {
+	s, path := serve(t)
+	pod := testnet.NewNS(t, "nftzds")
+	f := openNS(t, pod)
+	s.Track("uid-old-pod", zds.WorkloadInfo{Name: "old-pod"}, f)
+	old := ztunneltest.Connect(t, path)
+	old.Wait(zds.KindSnapshotSent, "", wait)
+	waitConnected(t, s, true)
+	newer := ztunneltest.Connect(t, path)
+	newer.Wait(zds.KindAdd, "uid-old-pod", wait) // its own full snapshot
+	newer.Wait(zds.KindSnapshotSent, "", wait)
+	// The newest registers right after its snapshot's last ack.
+	for deadline := time.Now().Add(wait); ; time.Sleep(5 * time.Millisecond) {
+		if err := s.Add(context.Background(), "uid-probe", zds.WorkloadInfo{Name: "probe"}, f); err != nil {
+			t.Fatal(err)
+		}
+		if newer.Pod("uid-probe") != nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("Add never reached the newest ztunnel")
+		}
+	}
+	errs := make(chan error, 50)
+	for i := range 50 {
+		go func() { errs <- s.Add(context.Background(), fmt.Sprintf("uid-%d", i), zds.WorkloadInfo{Name: "p"}, f) }()
+	}
+	for range 50 {
+		if err := <-errs; err != nil {
+			t.Errorf("ADD during the overlap: %v", err)
+		}
+	}
+	for i := range 50 {
+		uid := fmt.Sprintf("uid-%d", i)
+		if newer.Pod(uid) == nil || old.Pod(uid) != nil {
+			t.Fatalf("%s: newest has it %v, old has it %v; want only the newest", uid, newer.Pod(uid) != nil, old.Pod(uid) != nil)
+		}
+	}
+	s.Del("uid-old-pod")
+	old.Wait(zds.KindDel, "uid-old-pod", wait)
+	newer.Wait(zds.KindDel, "uid-old-pod", wait)
+}
+
+// hungZtunnel says hello, acks its snapshot, then stops reading with its
+// socket open: ztunnel#1674's shape.
+func hungZtunnel(t *testing.T, path string) {
+	t.Helper()
+	uc, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: path, Net: "unixpacket"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { uc.Close() })
+	if _, err := uc.Write(zds.EncodeHello(zds.VersionV1)); err != nil {
+		t.Fatal(err)
+	}
+	buf, oob := make([]byte, zds.MaxMessage), make([]byte, 1024)
+	for {
+		n, _, _, _, err := uc.ReadMsgUnix(buf, oob)
+		if err != nil {
+			t.Fatal(err)
+		}
+		r, err := zds.DecodeRequest(buf[:n])
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := uc.Write(zds.EncodeAck("")); err != nil {
+			t.Fatal(err)
+		}
+		if r.Kind == zds.KindSnapshotSent {
+			return
+		}
+	}
+}
+
+// A ztunnel that hangs delays no ADD or DEL by more than the ack deadline,
+// including ADDs queued behind one it never acks; it is dropped, and the
+// healthy ztunnel gets the pods from then on.
+func TestHungZtunnelDelaysNoEventBeyondTheDeadline(t *testing.T) {
+	s, path := serve(t, func(s *zds.Server) { s.AckTimeout = 300 * time.Millisecond })
+	const slack = 250 * time.Millisecond
+	pod := testnet.NewNS(t, "nftzds")
+	f := openNS(t, pod)
+	healthy := ztunneltest.Connect(t, path)
+	healthy.Wait(zds.KindSnapshotSent, "", wait)
+	waitConnected(t, s, true)
+	s.Track("uid-a", zds.WorkloadInfo{Name: "a"}, f)
+	hungZtunnel(t, path) // the newest now
+	time.Sleep(50 * time.Millisecond)
+
+	type result struct {
+		took time.Duration
+		err  error
+	}
+	results := make(chan result, 5)
+	for i := range 5 { // one in flight, four waiting for their turn
+		go func() {
+			start := time.Now()
+			err := s.Add(context.Background(), fmt.Sprintf("uid-q%d", i), zds.WorkloadInfo{Name: "q"}, f)
+			results <- result{time.Since(start), err}
+		}()
+	}
+	for range 5 {
+		r := <-results
+		// Each fails (the hung one never acks; the queued ones find it
+		// dropped or still stuck), and none waits past the deadline.
+		if r.took > s.AckTimeout+slack || r.err == nil {
+			t.Errorf("an ADD to a hung ztunnel: %v after %v; want an error within the %v deadline", r.err, r.took, s.AckTimeout)
+		}
+	}
+	// Dropped: the next ADD goes to the healthy one at once.
+	start := time.Now()
+	if err := s.Add(context.Background(), "uid-after", zds.WorkloadInfo{Name: "after"}, f); err != nil {
+		t.Fatalf("ADD after the hung ztunnel was dropped: %v", err)
+	}
+	if took := time.Since(start); took > slack {
+		t.Errorf("ADD after the drop took %v", took)
+	}
+	if healthy.Pod("uid-after") == nil {
+		t.Error("the healthy ztunnel did not get the pod")
+	}
+
+	// A hung ztunnel next to a healthy one delays a Del by one deadline.
+	hungZtunnel(t, path)
+	time.Sleep(50 * time.Millisecond)
+	start = time.Now()
+	s.Del("uid-a")
+	if took := time.Since(start); took > s.AckTimeout+slack {
+		t.Errorf("Del took %v with a hung ztunnel; the deadline is %v", took, s.AckTimeout)
+	}
+	healthy.Wait(zds.KindDel, "uid-a", wait)
 }
