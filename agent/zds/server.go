@@ -52,9 +52,19 @@ type Server struct {
 	log       *slog.Logger
 	connected prometheus.Gauge
 
+	// reg orders Adds against a new connection's registration: an Add
+	// holds it (read) from picking a connection to remembering the pod, so
+	// a connection registers only once every Add it might have missed has
+	// reached its catch-up list.
+	reg sync.RWMutex
+
 	mu    sync.Mutex
 	pods  map[string]*pod // by pod UID
-	conns []*conn         // oldest first; Add goes to the last
+	conns []*conn         // ready (snapshot acked), oldest first; Add goes to the last
+	// pending are connections still receiving their snapshot, each with
+	// the pods changed (tracked, added, deleted) since its snapshot began:
+	// sent to it before it registers.
+	pending map[*conn][]string
 }
 
 // NewServer returns a server; reg may be nil.
@@ -63,7 +73,7 @@ func NewServer(log *slog.Logger, reg prometheus.Registerer) *Server {
 	if reg != nil {
 		reg.MustRegister(g)
 	}
-	return &Server{AckTimeout: ackTimeout, log: log, connected: g, pods: map[string]*pod{}}
+	return &Server{AckTimeout: ackTimeout, log: log, connected: g, pods: map[string]*pod{}, pending: map[*conn][]string{}}
 }
 
 // Listen binds the ZDS socket, root-only (ztunnel runs as root), in a
@@ -127,43 +137,122 @@ func (s *Server) handshake(ctx context.Context, uc *net.UnixConn) {
 		uc.Close()
 		return
 	}
-	// The snapshot and the registration happen under the lock, so no Add
-	// or Del slips between them.
+	// The snapshot is sent without holding the server: Adds and Dels go
+	// on meanwhile (to the ready connections), and what they change is
+	// caught up before this connection registers as the newest.
+	c.turn <- struct{}{} // nothing else is sent on c before its snapshot
 	s.mu.Lock()
 	uids := make([]string, 0, len(s.pods))
 	for uid := range s.pods {
 		uids = append(uids, uid)
 	}
+	s.pending[c] = nil
+	s.mu.Unlock()
 	sort.Strings(uids)
-	for _, uid := range uids {
-		p := s.pods[uid]
-		r := &Request{Kind: KindKeep, UID: uid}
-		if p.netns != nil {
-			r = &Request{Kind: KindAdd, UID: uid, Info: &p.info}
-		}
-		if err := c.request(r, p.netns, time.Now().Add(s.AckTimeout)); err != nil {
-			// ztunnel refusing one pod is logged; a broken connection ends it.
-			var refused *AckError
-			if !errors.As(err, &refused) {
-				s.mu.Unlock()
-				s.log.Warn("ZDS snapshot failed; waiting for ztunnel to reconnect", "err", err)
-				uc.Close()
-				return
-			}
-			s.log.Warn("ztunnel refused a pod in the snapshot", "uid", uid, "pod", p.info.Namespace+"/"+p.info.Name, "err", err)
-		}
-	}
-	if err := c.request(&Request{Kind: KindSnapshotSent}, nil, time.Now().Add(s.AckTimeout)); err != nil {
+	have := map[string]bool{} // what c has been given
+	fail := func(err error) {
+		s.mu.Lock()
+		delete(s.pending, c)
 		s.mu.Unlock()
+		<-c.turn
 		s.log.Warn("ZDS snapshot failed; waiting for ztunnel to reconnect", "err", err)
 		uc.Close()
+	}
+	if err := s.sendPods(c, uids, have); err != nil {
+		fail(err)
 		return
 	}
-	s.conns = append(s.conns, c)
-	s.connected.Set(1)
+	for caught := 0; ; caught++ { // catch up while Adds go on elsewhere
+		s.mu.Lock()
+		changed := s.pending[c]
+		s.pending[c] = nil
+		s.mu.Unlock()
+		if len(changed) == 0 || caught == 3 {
+			if err := s.sendPods(c, changed, have); err != nil {
+				fail(err)
+				return
+			}
+			break
+		}
+		if err := s.sendPods(c, changed, have); err != nil {
+			fail(err)
+			return
+		}
+	}
+	// Register: once the in-flight Adds are done, whatever they changed is
+	// sent under the registration lock, and c becomes the newest.
+	s.reg.Lock()
+	s.mu.Lock()
+	changed := s.pending[c]
 	s.mu.Unlock()
-	s.log.Info("ztunnel connected", "snapshot", len(uids))
+	err = s.sendPods(c, changed, have)
+	if err == nil {
+		s.mu.Lock()
+		delete(s.pending, c)
+		s.conns = append(s.conns, c)
+		s.connected.Set(1)
+		s.mu.Unlock()
+	}
+	s.reg.Unlock()
+	if err != nil {
+		fail(err)
+		return
+	}
+	err = c.request(&Request{Kind: KindSnapshotSent}, nil, time.Now().Add(s.AckTimeout))
+	<-c.turn
+	if err != nil {
+		s.drop(c, fmt.Errorf("snapshot end: %w", err))
+		return
+	}
+	s.log.Info("ztunnel connected", "snapshot", len(have))
 	s.watch(ctx, c)
+}
+
+// sendPods sends c what the server holds now of each uid: Add with a dup
+// of its netns (the pod's own descriptor may be closed by a Del meanwhile),
+// Keep for a pod known without one, Del for one c was given that is gone.
+// A refusal is logged; a broken connection is the error. The caller has
+// c's turn.
+func (s *Server) sendPods(c *conn, uids []string, have map[string]bool) error {
+	for _, uid := range uids {
+		s.mu.Lock()
+		p := s.pods[uid]
+		var r *Request
+		var f *os.File
+		switch {
+		case p == nil && have[uid]:
+			r = &Request{Kind: KindDel, UID: uid}
+		case p == nil:
+		case p.netns != nil:
+			info := p.info
+			r = &Request{Kind: KindAdd, UID: uid, Info: &info}
+			fd, err := unix.FcntlInt(p.netns.Fd(), unix.F_DUPFD_CLOEXEC, 0)
+			if err != nil {
+				s.mu.Unlock()
+				return fmt.Errorf("keeping pod %s's netns for the snapshot: %w", uid, err)
+			}
+			f = os.NewFile(uintptr(fd), "netns")
+		default:
+			r = &Request{Kind: KindKeep, UID: uid}
+		}
+		s.mu.Unlock()
+		if r == nil {
+			continue
+		}
+		err := c.request(r, f, time.Now().Add(s.AckTimeout))
+		if f != nil {
+			f.Close()
+		}
+		var refused *AckError
+		switch {
+		case errors.As(err, &refused):
+			s.log.Warn("ztunnel refused a pod in the snapshot", "uid", uid, "kind", r.Kind, "err", err)
+		case err != nil:
+			return err
+		}
+		have[uid] = r.Kind != KindDel
+	}
+	return nil
 }
 
 // watch checks an idle connection for hang-up and drops it when it goes.
@@ -238,14 +327,26 @@ func (s *Server) closeAll() {
 // netns open until it calls Del. With no ztunnel connected it returns
 // ErrNoZtunnel and remembers nothing.
 func (s *Server) Add(ctx context.Context, uid string, info WorkloadInfo, netns *os.File) error {
+	deadline := time.Now().Add(s.AckTimeout)
+	s.reg.RLock()
+	defer s.reg.RUnlock()
 	s.mu.Lock()
-	if len(s.conns) == 0 {
+	for len(s.conns) == 0 {
+		// A ztunnel still receiving its first snapshot (right after an
+		// agent or ztunnel start) is waited for, within the deadline.
+		if len(s.pending) == 0 || time.Now().After(deadline) {
+			s.mu.Unlock()
+			return ErrNoZtunnel
+		}
 		s.mu.Unlock()
-		return ErrNoZtunnel
+		s.reg.RUnlock()
+		time.Sleep(5 * time.Millisecond)
+		s.reg.RLock()
+		s.mu.Lock()
 	}
 	c := s.conns[len(s.conns)-1]
 	s.mu.Unlock()
-	if err := c.requestWithin(&Request{Kind: KindAdd, UID: uid, Info: &info}, netns, s.AckTimeout); err != nil {
+	if err := c.requestWithin(&Request{Kind: KindAdd, UID: uid, Info: &info}, netns, time.Until(deadline)); err != nil {
 		var refused *AckError
 		if !errors.As(err, &refused) {
 			s.drop(c, err)
@@ -263,7 +364,16 @@ func (s *Server) Add(ctx context.Context, uid string, info WorkloadInfo, netns *
 func (s *Server) Track(uid string, info WorkloadInfo, netns *os.File) {
 	s.mu.Lock()
 	s.pods[uid] = &pod{info: info, netns: netns}
+	s.changedLocked(uid)
 	s.mu.Unlock()
+}
+
+// changedLocked puts uid on the catch-up list of every connection still
+// receiving its snapshot.
+func (s *Server) changedLocked(uid string) {
+	for c, l := range s.pending {
+		s.pending[c] = append(l, uid)
+	}
 }
 
 // Holds says whether the server remembers the pod.
@@ -281,6 +391,9 @@ func (s *Server) Del(uid string) {
 	s.mu.Lock()
 	_, held := s.pods[uid]
 	delete(s.pods, uid)
+	if held {
+		s.changedLocked(uid)
+	}
 	cs := append([]*conn(nil), s.conns...)
 	s.mu.Unlock()
 	if !held {

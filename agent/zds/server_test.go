@@ -6,13 +6,17 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"net"
 	"os"
 	"path/filepath"
 	"sort"
 	"strings"
+	"sync"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/nftcni/nftcni/agent/zds"
 	"github.com/nftcni/nftcni/integration/testnet"
@@ -333,4 +337,120 @@ func TestHungZtunnelDelaysNoEventBeyondTheDeadline(t *testing.T) {
 		t.Errorf("Del took %v with a hung ztunnel; the deadline is %v", took, s.AckTimeout)
 	}
 	healthy.Wait(zds.KindDel, "uid-a", wait)
+}
+
+// slowZtunnel acks every request after delay and records them in order.
+type slowZtunnel struct {
+	mu   sync.Mutex
+	seen []string // "kind uid"
+	done chan struct{}
+}
+
+func newSlowZtunnel(t *testing.T, path string, delay time.Duration) *slowZtunnel {
+	t.Helper()
+	uc, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: path, Net: "unixpacket"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { uc.Close() })
+	if _, err := uc.Write(zds.EncodeHello(zds.VersionV1)); err != nil {
+		t.Fatal(err)
+	}
+	z := &slowZtunnel{done: make(chan struct{})}
+	go func() {
+		buf, oob := make([]byte, zds.MaxMessage), make([]byte, 1024)
+		for {
+			n, oobn, _, _, err := uc.ReadMsgUnix(buf, oob)
+			if err != nil {
+				return
+			}
+			if msgs, _ := unix.ParseSocketControlMessage(oob[:oobn]); len(msgs) > 0 {
+				if fds, _ := unix.ParseUnixRights(&msgs[0]); len(fds) > 0 {
+					unix.Close(fds[0])
+				}
+			}
+			r, err := zds.DecodeRequest(buf[:n])
+			if err != nil {
+				return
+			}
+			time.Sleep(delay)
+			z.mu.Lock()
+			z.seen = append(z.seen, fmt.Sprintf("%s %s", r.Kind, r.UID))
+			z.mu.Unlock()
+			if _, err := uc.Write(zds.EncodeAck("")); err != nil {
+				return
+			}
+			if r.Kind == zds.KindSnapshotSent {
+				close(z.done)
+			}
+		}
+	}()
+	return z
+}
+
+func (z *slowZtunnel) got() []string {
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	return append([]string(nil), z.seen...)
+}
+
+// A new ztunnel that takes long over its snapshot holds up no ADD (they go
+// to the ready one meanwhile), and it registers holding exactly the
+// server's pods: those added and deleted during its snapshot caught up.
+func TestSlowSnapshotBlocksNoADDAndCatchesUp(t *testing.T) {
+	s, path := serve(t)
+	pod := testnet.NewNS(t, "nftzds")
+	f := openNS(t, pod)
+	for i := range 20 {
+		s.Track(fmt.Sprintf("uid-s%02d", i), zds.WorkloadInfo{Name: "s"}, f)
+	}
+	ready := ztunneltest.Connect(t, path)
+	ready.Wait(zds.KindSnapshotSent, "", wait)
+	waitConnected(t, s, true)
+
+	slow := newSlowZtunnel(t, path, 20*time.Millisecond) // its snapshot: about 0.4 s
+	time.Sleep(50 * time.Millisecond)
+	for i := range 5 {
+		start := time.Now()
+		if err := s.Add(context.Background(), fmt.Sprintf("uid-new%d", i), zds.WorkloadInfo{Name: "new"}, f); err != nil {
+			t.Fatal(err)
+		}
+		if took := time.Since(start); took > 100*time.Millisecond {
+			t.Errorf("ADD during another ztunnel's snapshot took %v", took)
+		}
+	}
+	s.Del("uid-s19") // not sent to the slow one yet, most likely
+	s.Del("uid-s00") // sent to it already
+	select {
+	case <-slow.done:
+	case <-time.After(5 * time.Second):
+		t.Fatalf("no SnapshotSent; got %v", slow.got())
+	}
+	held := map[string]bool{}
+	for _, e := range slow.got() {
+		kind, uid, _ := strings.Cut(e, " ")
+		switch kind {
+		case zds.KindAdd.String(), zds.KindKeep.String():
+			held[uid] = true
+		case zds.KindDel.String():
+			delete(held, uid)
+		}
+	}
+	want := map[string]bool{}
+	for _, uid := range s.Known() {
+		want[uid] = true
+	}
+	if !maps.Equal(held, want) {
+		t.Errorf("the new ztunnel registered holding %v, the server holds %v (it got %v)", held, want, slow.got())
+	}
+	if ready.Pod("uid-new0") == nil {
+		t.Error("ADDs during the snapshot did not go to the ready ztunnel")
+	}
+	// Registered: the next ADD goes to it.
+	if err := s.Add(context.Background(), "uid-last", zds.WorkloadInfo{Name: "last"}, f); err != nil {
+		t.Fatal(err)
+	}
+	if g := slow.got(); g[len(g)-1] != zds.KindAdd.String()+" uid-last" {
+		t.Errorf("the ADD after registration went elsewhere: %v", g[len(g)-3:])
+	}
 }
