@@ -24,6 +24,10 @@ type API interface {
 	PatchPodStatus(ctx context.Context, namespace, name string, patch []byte) error
 	GetDaemonSet(ctx context.Context, namespace, name string) (*appsv1.DaemonSet, error)
 	GetNode(ctx context.Context, name string) (*corev1.Node, error)
+	// PatchNode and PatchNodeStatus patch the node and its status (the
+	// readiness gate's taint and condition).
+	PatchNode(ctx context.Context, name string, pt types.PatchType, patch []byte) error
+	PatchNodeStatus(ctx context.Context, name string, pt types.PatchType, patch []byte) error
 }
 
 // Client is API over client-go's REST client with a scheme of the two API
@@ -94,4 +98,14 @@ func (c *Client) GetNode(ctx context.Context, name string) (*corev1.Node, error)
 	n := &corev1.Node{}
 	err := c.core.Get().Resource("nodes").Name(name).Do(ctx).Into(n)
 	return n, err
+}
+
+// PatchNode implements API.
+func (c *Client) PatchNode(ctx context.Context, name string, pt types.PatchType, patch []byte) error {
+	return c.core.Patch(pt).Resource("nodes").Name(name).Body(patch).Do(ctx).Error()
+}
+
+// PatchNodeStatus implements API.
+func (c *Client) PatchNodeStatus(ctx context.Context, name string, pt types.PatchType, patch []byte) error {
+	return c.core.Patch(pt).Resource("nodes").Name(name).SubResource("status").Body(patch).Do(ctx).Error()
 }

@@ -107,3 +107,13 @@ func (a clientsetAPI) GetDaemonSet(ctx context.Context, namespace, name string) 
 func (a clientsetAPI) GetNode(ctx context.Context, name string) (*corev1.Node, error) {
 	return a.c.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
 }
+
+func (a clientsetAPI) PatchNode(ctx context.Context, name string, pt types.PatchType, patch []byte) error {
+	_, err := a.c.CoreV1().Nodes().Patch(ctx, name, pt, patch, metav1.PatchOptions{})
+	return err
+}
+
+func (a clientsetAPI) PatchNodeStatus(ctx context.Context, name string, pt types.PatchType, patch []byte) error {
+	_, err := a.c.CoreV1().Nodes().Patch(ctx, name, pt, patch, metav1.PatchOptions{}, "status")
+	return err
+}

@@ -30,6 +30,8 @@ import (
 	"github.com/nftcni/nftcni/agent/health"
 	"github.com/nftcni/nftcni/agent/install"
 	kubesrc "github.com/nftcni/nftcni/agent/kube"
+	"github.com/nftcni/nftcni/agent/node"
+	"github.com/nftcni/nftcni/agent/readiness"
 	"github.com/nftcni/nftcni/agent/runlock"
 	"github.com/nftcni/nftcni/plugin/wire"
 	"github.com/nftcni/nftcni/templates"
@@ -188,6 +190,15 @@ func uninstallCmd(args []string) error {
 type runFlags struct {
 	healthAddr, monitoringPort, onExit, daemonSet string
 	a                                             ambientFlags
+	gate                                          gateFlags
+}
+
+// gateFlags configure the readiness gate (package readiness), on Kubernetes.
+type gateFlags struct {
+	taint, condition string
+	needZtunnel      bool
+	retaint          bool
+	grace            time.Duration
 }
 
 func (r *runFlags) register(f *flagSet) {
@@ -196,6 +207,38 @@ func (r *runFlags) register(f *flagSet) {
 	f.str(&r.onExit, "on-exit", "ON_EXIT", "auto", "what to do with the installed plugin on shutdown: auto (on Kubernetes: keep while the agent's DaemonSet still selects this node, an upgrade or restart; uninstall once it is gone; elsewhere: keep) | keep | uninstall")
 	f.str(&r.daemonSet, "daemonset-name", "DAEMONSET_NAME", "nftcni-node", "the agent's DaemonSet in POD_NAMESPACE, looked up by --on-exit auto")
 	r.a.register(f)
+	f.str(&r.gate.taint, "readiness-taint", "READINESS_TAINT", readiness.DefaultTaint, "taint (key[=value]:Effect) the agent removes from its node once it is ready; \"\" leaves taints alone. The default is Istio's, which nodes may be created with so that pods wait for the mesh CNI")
+	f.str(&r.gate.condition, "readiness-condition", "READINESS_CONDITION", readiness.DefaultCondition, "node condition type the agent keeps True while it is ready and False with the reason otherwise (for SIG Node's node-readiness-controller); \"\" writes none")
+	f.boolean(&r.gate.needZtunnel, "readiness-requires-ztunnel", "READINESS_REQUIRES_ZTUNNEL", true, "count the agent ready only once a ztunnel has connected and acked its snapshot")
+	f.boolean(&r.gate.retaint, "readiness-retaint", "READINESS_RETAINT", false, "taint the node again when the agent stays unready for --readiness-grace (continuous mode)")
+	f.duration(&r.gate.grace, "readiness-grace", "READINESS_GRACE", 30*time.Second, "how long the agent may stay unready before --readiness-retaint taints the node again")
+}
+
+// startGate runs the readiness gate on Kubernetes until ctx ends.
+func (r *runFlags) startGate(ctx context.Context, api kubesrc.API, n *node.Node, state *install.State, log *slog.Logger) error {
+	if api == nil || (r.gate.taint == "" && r.gate.condition == "") {
+		return nil
+	}
+	if r.a.nodeName == "" {
+		log.Warn("no --node-name (NODE_NAME): the readiness gate is off (no taint removed, no node condition)")
+		return nil
+	}
+	checks := []readiness.Check{{Name: "install", Ready: state.Ready}}
+	if r.gate.needZtunnel {
+		checks = append(checks, readiness.Check{Name: "ztunnel", Ready: func() error {
+			if n.ZDS == nil || !n.ZDS.Connected() {
+				return readiness.ErrNoZtunnel
+			}
+			return nil
+		}})
+	}
+	g, err := readiness.New(readiness.Config{Node: r.a.nodeName, Taint: r.gate.taint, Condition: r.gate.condition,
+		Retaint: r.gate.retaint, Grace: r.gate.grace}, api, checks, log)
+	if err != nil {
+		return fmt.Errorf("--readiness-taint: %w", err)
+	}
+	go g.Run(ctx)
+	return nil
 }
 
 func runCmd(ctx context.Context, args []string) error {
@@ -255,6 +298,10 @@ func runCmd(ctx context.Context, args []string) error {
 	// first pod after installation already finds the agent.
 	n, kube, err := startNode(ctx, c, a, policy, lock, reg, log)
 	if err != nil {
+		return err
+	}
+	if err := r.startGate(ctx, kube, n, state, log); err != nil {
+		n.Stop()
 		return err
 	}
 	runErr := in.Run(ctx, install.DefaultLoopConfig(), metrics, state)
