@@ -3,7 +3,10 @@ package integration
 import (
 	"context"
 	"errors"
+	"fmt"
+	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"runtime"
 	"strings"
@@ -157,17 +160,19 @@ func TestCNIConcurrentAdds(t *testing.T) {
 }
 
 // A sidecar-injected pod whose annotations come with the runtime's call
-// gets the sidecar ruleset without the agent being asked anything.
+// gets the sidecar ruleset the agent decides from its spec (the proxy's
+// UID lives there), with the exclusions its annotations name.
 func TestCNISidecarFromRuntimeAnnotations(t *testing.T) {
-	n := newCNINode(t, 62)
+	n := newCNINode(t, 59)
 	n.startAgent()
 	full := n.list("bridge", "1.0.0", true, false)
 	ann := map[string]string{
 		nft.AnnSidecarStatus:        `{"initContainers":["istio-validation"],"containers":["istio-proxy"],"revision":"default"}`,
 		nft.AnnExcludeOutboundPorts: "9999",
 	}
+	p := n.pod(plainNS, "sidecar", ann)
+	p.Spec.Containers = []corev1.Container{{Name: "app"}, {Name: "istio-proxy", Args: []string{"proxy", "sidecar"}}}
 	pod := testnet.NewNS(t, "nftpod")
-	// Not in the agent's store either: a lookup could not have helped.
 	rt := runtimeConf(pod, plainNS, "sidecar", ann)
 	r, err := n.add(full, rt)
 	if err != nil {
@@ -180,10 +185,8 @@ func TestCNISidecarFromRuntimeAnnotations(t *testing.T) {
 	if err := nft.Verify(pod.FD, nft.Sidecar(spec)); err != nil {
 		t.Errorf("sidecar ruleset: %v", err)
 	}
-	for _, res := range []string{"success", "failure"} {
-		if got := n.metric("istio_cni_plugin_requests_total", "type", "add", "result", res); got != 0 {
-			t.Errorf("the agent saw %v add requests (%s)", got, res)
-		}
+	if got := n.metric("istio_cni_plugin_requests_total", "type", "add", "result", "success"); got != 1 {
+		t.Errorf("the agent decided %v ADDs, want the sidecar pod's one", got)
 	}
 	// REDIRECT capture: outbound lands on the sidecar's 15001, except the
 	// excluded port, which goes straight out.
@@ -355,5 +358,69 @@ func TestCNIZtunnelRefusalFailsTheAdd(t *testing.T) {
 	}
 	if !hasTable(t, ok) {
 		t.Error("no rules for the next pod")
+	}
+}
+
+// OpenShift-shaped: the runtime passes the pod's annotations, and its
+// istio-proxy runs with an assigned UID (not 1337). The ruleset must exempt
+// that UID, which only the pod spec says: the app's outbound is captured,
+// the proxy's own is not (else it would loop back into itself). With the
+// agent down, such a pod fails closed instead of getting a guessed UID.
+func TestCNISidecarWithRuntimeAnnotationsTakesTheProxyUIDFromTheSpec(t *testing.T) {
+	n := newCNINode(t, 62)
+	n.startAgent()
+	full := n.list("bridge", "1.0.0", true, false)
+	const proxyUID = 1000650000
+	uid := int64(proxyUID)
+	ann := map[string]string{nft.AnnSidecarStatus: `{"initContainers":["istio-validation"],"containers":["istio-proxy"]}`}
+	p := n.pod(plainNS, "openshift", ann)
+	p.Spec.Containers = []corev1.Container{{Name: "app"}, {Name: "istio-proxy", Args: []string{"proxy", "sidecar"},
+		SecurityContext: &corev1.SecurityContext{RunAsUser: &uid, RunAsGroup: &uid}}}
+	pod := testnet.NewNS(t, "nftpod")
+	rt := runtimeConf(pod, plainNS, "openshift", ann) // annotations in runtimeConfig, as containerd passes them
+	if _, err := n.add(full, rt); err != nil {
+		t.Fatalf("ADD: %v", err)
+	}
+	spec, err := nft.ParseSidecar(ann, nft.SidecarProxy{UID: proxyUID, GID: proxyUID})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := nft.Verify(pod.FD, nft.Sidecar(spec)); err != nil {
+		t.Errorf("sidecar ruleset: %v", err)
+	}
+
+	gw := fmt.Sprintf("10.88.%d.1", n.subnet)
+	upstream := n.node.Listen(t, gw+":0", false)
+	proxy := pod.Listen(t, ":15001", false)
+	// The app (any other UID): captured, to the proxy's 15001.
+	if _, err := pod.Dial(t, "tcp", upstream.Addr().String(), testnet.DialOpts{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := testnet.Accept(t, proxy, 2*time.Second); err != nil {
+		t.Errorf("the app's outbound did not land on 15001: %v", err)
+	}
+	// The proxy itself: straight out.
+	host, port, _ := net.SplitHostPort(upstream.Addr().String())
+	cmd := exec.Command("ip", "netns", "exec", pod.Name, "setpriv", fmt.Sprintf("--reuid=%d", proxyUID), fmt.Sprintf("--regid=%d", proxyUID),
+		"--clear-groups", "bash", "-c", fmt.Sprintf("exec 3<>/dev/tcp/%s/%s && echo hi >&3", host, port))
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("dialling as the proxy's UID: %v\n%s", err, out)
+	}
+	if _, err := testnet.Accept(t, upstream, 2*time.Second); err != nil {
+		t.Errorf("the proxy's own outbound was captured (did not reach upstream): %v", err)
+	}
+	if err := n.del(full, rt); err != nil {
+		t.Errorf("DEL: %v", err)
+	}
+
+	n.stopAgent()
+	other := testnet.NewNS(t, "nftpod")
+	_, err = n.add(full, runtimeConf(other, plainNS, "openshift2", ann))
+	var cniErr *types.Error
+	if !errors.As(err, &cniErr) || cniErr.Code != types.ErrTryAgainLater || !strings.Contains(err.Error(), "UID") {
+		t.Errorf("sidecar ADD with the agent down: %v, want code 11 saying the proxy UID needs the agent", err)
+	}
+	if hasTable(t, other) {
+		t.Error("a sidecar pod got a ruleset with a guessed proxy UID")
 	}
 }

@@ -41,6 +41,22 @@ metadata: {name: plain}
 		ns, name, _ := strings.Cut(p, "/")
 		fmt.Fprintf(&b, "---\napiVersion: v1\nkind: Pod\nmetadata: {name: %s, namespace: %s, uid: uid-%s}\n", name, ns, name)
 	}
+	// Sidecar-injected, its proxy at Istio's default UID.
+	b.WriteString(`---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: sidecar
+  namespace: plain
+  uid: uid-sidecar
+  annotations:
+    sidecar.istio.io/status: '{"initContainers":["istio-validation"],"containers":["istio-proxy"],"revision":"default"}'
+    traffic.sidecar.istio.io/excludeOutboundPorts: "9999"
+spec:
+  containers:
+  - {name: app, image: app}
+  - {name: istio-proxy, image: proxyv2, args: [proxy, sidecar]}
+`)
 	for i := range benchPods {
 		for _, ns := range []string{"mesh", "plain"} {
 			fmt.Fprintf(&b, "---\napiVersion: v1\nkind: Pod\nmetadata: {name: bench-%d, namespace: %s, uid: uid-%s-bench-%d}\n", i, ns, ns, i)
@@ -250,8 +266,8 @@ func testCRIPods(t *testing.T, gen containerdtest.Generation, subnet int) {
 	}
 
 	// Sidecar-injected: containerd passes the pod's annotations in
-	// runtimeConfig, and the plugin programs the sidecar ruleset from them
-	// without asking the agent (its ADD count does not move).
+	// runtimeConfig; the agent decides the ruleset from the pod's spec (the
+	// proxy's UID) and annotations, and the plugin programs it.
 	ann := map[string]string{
 		nft.AnnSidecarStatus:        `{"initContainers":["istio-validation"],"containers":["istio-proxy"],"revision":"default"}`,
 		nft.AnnExcludeOutboundPorts: "9999",
@@ -265,8 +281,8 @@ func testCRIPods(t *testing.T, gen containerdtest.Generation, subnet int) {
 	if err := nft.Verify(scNS.FD, nft.Sidecar(spec)); err != nil {
 		t.Errorf("sidecar ruleset from runtime annotations: %v", err)
 	}
-	if after := n.addRequests(); after != before {
-		t.Errorf("the agent was asked about the sidecar pod (add requests %v -> %v)", before, after)
+	if after := n.addRequests(); after != before+1 {
+		t.Errorf("the agent decided %v ADDs for the sidecar pod, want 1", after-before)
 	}
 	proxy := scNS.Listen(t, ":15001", false)
 	if _, err := scNS.Dial(t, "tcp", n.gateway()+":80", testnet.DialOpts{}); err != nil {

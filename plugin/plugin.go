@@ -250,16 +250,12 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 	}
 	defer netns.Close()
 
-	if d := wire.SidecarFromAnnotations(pod.Annotations, wire.HasIPv6(pod.IPs)); d != nil {
-		// Everything a sidecar ruleset needs came with the runtime's call.
-		if d.Mode == wire.ModeNone {
-			c.debug("passing through", "reason", d.Reason)
-			return c.printPrev(stdout)
-		}
-		if err := programDecision(netns, d); err != nil {
-			return fmt.Errorf("nftcni: pod %s: %w", pod.Key(), err)
-		}
-		c.info("sidecar capture programmed", "source", "runtime annotations", "reason", d.Reason)
+	// A pod whose annotations say it captures its own traffic (istio-init)
+	// needs nothing. A sidecar pod's ruleset is the agent's decision like
+	// any other's: it exempts the proxy's UID and GID, which only the pod
+	// spec says (runAsUser; OpenShift assigns one that is not 1337).
+	if d := wire.SidecarFromAnnotations(pod.Annotations, wire.HasIPv6(pod.IPs)); d != nil && d.Mode == wire.ModeNone {
+		c.debug("passing through", "reason", d.Reason)
 		return c.printPrev(stdout)
 	}
 
@@ -325,15 +321,6 @@ func (c *call) askLean(b []byte, fd *os.File, kind, want wire.Kind) (*wire.Reply
 	return r, nil
 }
 
-// programDecision encodes and programs a decision the plugin made itself.
-func programDecision(netns *os.File, d *wire.Decision) error {
-	rs, err := d.Ruleset()
-	if err != nil || rs == nil {
-		return err
-	}
-	return nft.Apply(int(netns.Fd()), rs)
-}
-
 // wouldEnrol answers from the agent's policy snapshot whether the agent
 // would enrol pod. No snapshot means no agent ever ran with this run dir,
 // so nothing is enrolled.
@@ -352,6 +339,12 @@ func (c *call) wouldEnrol(pod *wire.Pod) (bool, string, error) {
 // agentDown applies the failure policy when the agent could not be asked.
 func (c *call) agentDown(pod *wire.Pod, cause error, stdout io.Writer) error {
 	sock := c.conf.SocketPath()
+	if d := wire.SidecarFromAnnotations(pod.Annotations, wire.HasIPv6(pod.IPs)); d != nil && d.Mode == wire.ModeSidecar {
+		return types.NewError(types.ErrTryAgainLater,
+			fmt.Sprintf("nftcni: pod %s has an Istio sidecar (%s): its ruleset must exempt the proxy's UID and GID, which only the pod spec says "+
+				"and only the agent reads, and the nftcni agent at %s cannot be reached: %v; the pod will not start with a guessed UID, and the runtime will retry",
+				pod.Key(), d.Reason, sock, cause), "")
+	}
 	enrol, why, err := c.wouldEnrol(pod)
 	if err != nil {
 		return types.NewError(types.ErrTryAgainLater,
@@ -430,18 +423,13 @@ func (p *Plugin) Check(args *Args) (err error) {
 	case errors.As(err, &refused):
 		return fmt.Errorf("nftcni: pod %s: %w", pod.Key(), err)
 	}
-	if d := wire.SidecarFromAnnotations(pod.Annotations, wire.HasIPv6(pod.IPs)); d != nil {
-		rs, rerr := d.Ruleset()
-		if rerr != nil || rs == nil {
-			return rerr
-		}
-		if verr := nft.Verify(int(netns.Fd()), rs); verr != nil {
-			return fmt.Errorf("nftcni: pod %s: %s ruleset: %w", pod.Key(), d.Mode, verr)
-		}
+	// Only a pod that should have rules needs the agent to check them (a
+	// sidecar pod's depend on its spec, which the agent has).
+	sidecar := wire.SidecarFromAnnotations(pod.Annotations, wire.HasIPv6(pod.IPs))
+	if sidecar != nil && sidecar.Mode == wire.ModeNone {
 		return nil
 	}
-	// Only a pod that should have rules needs the agent to check them.
-	if enrol, _, perr := c.wouldEnrol(pod); perr == nil && !enrol {
+	if enrol, _, perr := c.wouldEnrol(pod); sidecar == nil && perr == nil && !enrol {
 		return nil
 	}
 	return types.NewError(types.ErrTryAgainLater, fmt.Sprintf("nftcni: pod %s: cannot verify its ruleset without the agent at %s: %v", pod.Key(), c.conf.SocketPath(), err), "")
