@@ -22,6 +22,9 @@ type API interface {
 	ListWatch(resource string, tweak func(*metav1.ListOptions)) cache.ListerWatcher
 	// PatchPodStatus merge-patches a pod's status subresource.
 	PatchPodStatus(ctx context.Context, namespace, name string, patch []byte) error
+	// DeletePod deletes the pod only while it still has that UID and
+	// resourceVersion (repair: the pod judged broken, not a newer one).
+	DeletePod(ctx context.Context, namespace, name string, uid types.UID, resourceVersion string) error
 	GetDaemonSet(ctx context.Context, namespace, name string) (*appsv1.DaemonSet, error)
 	GetNode(ctx context.Context, name string) (*corev1.Node, error)
 	// PatchNode and PatchNodeStatus patch the node and its status (the
@@ -108,4 +111,10 @@ func (c *Client) PatchNode(ctx context.Context, name string, pt types.PatchType,
 // PatchNodeStatus implements API.
 func (c *Client) PatchNodeStatus(ctx context.Context, name string, pt types.PatchType, patch []byte) error {
 	return c.core.Patch(pt).Resource("nodes").Name(name).SubResource("status").Body(patch).Do(ctx).Error()
+}
+
+// DeletePod implements API.
+func (c *Client) DeletePod(ctx context.Context, namespace, name string, uid types.UID, resourceVersion string) error {
+	opts := &metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &uid, ResourceVersion: &resourceVersion}}
+	return c.core.Delete().Namespace(namespace).Resource("pods").Name(name).Body(opts).Do(ctx).Error()
 }

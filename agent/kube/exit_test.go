@@ -117,3 +117,7 @@ func (a clientsetAPI) PatchNodeStatus(ctx context.Context, name string, pt types
 	_, err := a.c.CoreV1().Nodes().Patch(ctx, name, pt, patch, metav1.PatchOptions{}, "status")
 	return err
 }
+
+func (a clientsetAPI) DeletePod(ctx context.Context, namespace, name string, uid types.UID, rv string) error {
+	return a.c.CoreV1().Pods(namespace).Delete(ctx, name, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &uid, ResourceVersion: &rv}})
+}

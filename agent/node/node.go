@@ -26,6 +26,7 @@ import (
 	"github.com/nftcni/nftcni/agent/podsource"
 	"github.com/nftcni/nftcni/agent/procscan"
 	"github.com/nftcni/nftcni/agent/records"
+	"github.com/nftcni/nftcni/agent/repair"
 	"github.com/nftcni/nftcni/agent/runlock"
 	"github.com/nftcni/nftcni/agent/zds"
 	"github.com/nftcni/nftcni/nft"
@@ -44,7 +45,10 @@ type Config struct {
 
 	// Where pods come from: Kubernetes (Kube set), a static directory
 	// (StaticDir), a store filled by the caller (Store), or nothing.
-	Kube      kubesrc.API
+	Kube kubesrc.API
+	// Repair is istio-cni's repair of sidecar pods whose capture check
+	// failed (Kubernetes only).
+	Repair    repair.Config
 	StaticDir string
 	Store     *podsource.Store
 	NodeName  string
@@ -251,7 +255,13 @@ func Start(ctx context.Context, cfg Config) (_ *Node, err error) {
 	}
 	switch {
 	case kube != nil:
-		n.goWait(func() { kube.Run(ctx, e.Reconcile) })
+		rep := repair.New(cfg.Repair, cfg.Kube, log)
+		n.goWait(func() {
+			kube.Run(ctx, func(ctx context.Context, namespace, name string) error {
+				err := e.Reconcile(ctx, namespace, name)
+				return errors.Join(err, rep.Reconcile(ctx, kube.Pod(namespace, name)))
+			})
+		})
 	case static != nil:
 		changed := make(chan struct{}, 1)
 		changed <- struct{}{} // what changed while no agent ran

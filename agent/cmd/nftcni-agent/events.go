@@ -15,6 +15,7 @@ import (
 	"github.com/nftcni/nftcni/agent/enablement"
 	kubesrc "github.com/nftcni/nftcni/agent/kube"
 	"github.com/nftcni/nftcni/agent/node"
+	"github.com/nftcni/nftcni/agent/repair"
 	"github.com/nftcni/nftcni/agent/runlock"
 	"github.com/nftcni/nftcni/agent/zds"
 )
@@ -27,6 +28,7 @@ type ambientFlags struct {
 	dnsCapture, ipv6                                bool
 	verifyEvery                                     time.Duration
 	verifyConcurrency                               int
+	repair                                          repair.Config
 }
 
 func (a *ambientFlags) register(f *flagSet) {
@@ -42,6 +44,17 @@ func (a *ambientFlags) register(f *flagSet) {
 	f.str(&a.procDir, "proc-dir", "PROC_DIR", "/proc", "the host's /proc (the agent's pod mounts it at /host/proc): where the netns of pods that predate the agent is found")
 	f.duration(&a.verifyEvery, "verify-interval", "VERIFY_INTERVAL", 30*time.Second, "how often every enrolled pod's ruleset and policy routes are verified and repaired (jittered by 10%); 0 turns it off")
 	f.integer(&a.verifyConcurrency, "verify-concurrency", "VERIFY_CONCURRENCY", 4, "pods verified at once")
+	// istio-cni's repair controller, under its flag names and defaults.
+	d := repair.DefaultConfig()
+	f.boolean(&a.repair.Enabled, "repair-enabled", "REPAIR_ENABLED", d.Enabled, "act on sidecar pods whose istio-validation init container failed (their traffic was not captured when it ran)")
+	f.boolean(&a.repair.DeletePods, "repair-delete-pods", "REPAIR_DELETE_PODS", d.DeletePods, "delete such pods, so they are re-created with capture in place (also those that will never run the init container again: restartPolicy Never)")
+	f.boolean(&a.repair.LabelPods, "repair-label-pods", "REPAIR_LABEL_PODS", d.LabelPods, "label such pods (when not deleting them)")
+	f.str(&a.repair.LabelKey, "repair-broken-pod-label-key", "REPAIR_BROKEN_POD_LABEL_KEY", d.LabelKey, "the label key --repair-label-pods sets")
+	f.str(&a.repair.LabelValue, "repair-broken-pod-label-value", "REPAIR_BROKEN_POD_LABEL_VALUE", d.LabelValue, "the label value --repair-label-pods sets")
+	f.str(&a.repair.SidecarAnnotation, "repair-sidecar-annotation", "REPAIR_SIDECAR_ANNOTATION", d.SidecarAnnotation, "only pods with this annotation are looked at")
+	f.str(&a.repair.InitContainerName, "repair-init-container-name", "REPAIR_INIT_CONTAINER_NAME", d.InitContainerName, "the init container that checks capture")
+	f.str(&a.repair.InitTerminationMsg, "repair-init-container-termination-message", "REPAIR_INIT_CONTAINER_TERMINATION_MESSAGE", d.InitTerminationMsg, "its termination message that means a failed check (empty: any)")
+	f.integer(&a.repair.InitExitCode, "repair-init-container-exit-code", "REPAIR_INIT_CONTAINER_EXIT_CODE", d.InitExitCode, "its exit code that means a failed check (0: any)")
 }
 
 func (a *ambientFlags) policy(exclude []string) (*enablement.Policy, error) {
@@ -96,7 +109,7 @@ func startNode(ctx context.Context, c *common, a *ambientFlags, policy *enableme
 		return nil, nil, err
 	}
 	cfg := node.Config{RunDir: c.runDir, HostNetns: a.hostNetns, ProcDir: a.procDir, IPv6: a.ipv6, Policy: policy,
-		NodeName: a.nodeName, VerifyEvery: a.verifyEvery, VerifyConcurrency: a.verifyConcurrency, Registry: reg, Log: log, Lock: lock}
+		NodeName: a.nodeName, Repair: a.repair, VerifyEvery: a.verifyEvery, VerifyConcurrency: a.verifyConcurrency, Registry: reg, Log: log, Lock: lock}
 	if a.ztunnelSocket != "none" {
 		cfg.ZtunnelSocket = a.ztunnelSocket
 	}
