@@ -11,9 +11,12 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/discovery"
 	"k8s.io/client-go/discovery/cached/memory"
@@ -94,6 +97,7 @@ func objects(t testing.TB, manifest []byte) []*unstructured.Unstructured {
 // Every ConfigMap key is an env var the agent reads.
 func TestHelmChartAcceptedByAPIServer(t *testing.T) {
 	api := kubetest.Start(t)
+	installNADCRD(t, api) // the openshift profile renders NetworkAttachmentDefinitions
 	create := creator(t, api)
 	envs := agentEnvVars(t)
 	for _, p := range profiles(t) {
@@ -128,7 +132,79 @@ func TestHelmChartAcceptedByAPIServer(t *testing.T) {
 					t.Errorf("no %s rendered", k)
 				}
 			}
+			if want := name == "openshift"; kinds["NetworkAttachmentDefinition"] != want {
+				t.Errorf("NetworkAttachmentDefinition rendered: %v, want %v (Multus's platforms only)", kinds["NetworkAttachmentDefinition"], want)
+			}
 		})
+	}
+}
+
+// provider: multus renders a NetworkAttachmentDefinition in each namespace
+// of multus.namespaces (istio#54820), which a real API server with the
+// NPWG CRD accepts.
+func TestMultusNetworkAttachmentDefinitions(t *testing.T) {
+	api := kubetest.Start(t)
+	installNADCRD(t, api)
+	ctx := context.Background()
+	if _, err := api.Client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	create := creator(t, api)
+	n := 0
+	for _, o := range objects(t, render(t, "", "provider=multus", "multus.namespaces={default,shop}")) {
+		if o.GetKind() != "NetworkAttachmentDefinition" {
+			continue
+		}
+		n++
+		if err := create(o, metav1.CreateOptions{FieldValidation: "Strict"}); err != nil {
+			t.Errorf("creating NetworkAttachmentDefinition %s/%s: %v", o.GetNamespace(), o.GetName(), err)
+		}
+	}
+	dyn, err := dynamic.NewForConfig(api.Config)
+	if err != nil {
+		t.Fatal(err)
+	}
+	nads := dyn.Resource(schema.GroupVersionResource{Group: "k8s.cni.cncf.io", Version: "v1", Resource: "network-attachment-definitions"})
+	for _, ns := range []string{"default", "shop"} {
+		if _, err := nads.Namespace(ns).Get(ctx, "nftcni", metav1.GetOptions{}); err != nil {
+			t.Errorf("no NetworkAttachmentDefinition nftcni in %s: %v", ns, err)
+		}
+	}
+	if n != 2 {
+		t.Errorf("%d NetworkAttachmentDefinitions rendered, want 2", n)
+	}
+}
+
+// installNADCRD installs the NPWG NetworkAttachmentDefinition CRD (as
+// Multus does) and waits until the API server serves it.
+func installNADCRD(t testing.TB, api *kubetest.Server) {
+	t.Helper()
+	raw, err := os.ReadFile("testdata/npwg-network-attachment-definition-crd.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	objs := objects(t, raw)
+	dyn, err := dynamic.NewForConfig(api.Config)
+	if err != nil {
+		t.Fatal(err)
+	}
+	crds := dyn.Resource(schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"})
+	if _, err := crds.Create(context.Background(), objs[0], metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		o, err := crds.Get(context.Background(), objs[0].GetName(), metav1.GetOptions{})
+		if err == nil {
+			conds, _, _ := unstructured.NestedSlice(o.Object, "status", "conditions")
+			for _, c := range conds {
+				if m, ok := c.(map[string]any); ok && m["type"] == "Established" && m["status"] == "True" {
+					return
+				}
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the NetworkAttachmentDefinition CRD was not established: %v", err)
+		}
 	}
 }
 
