@@ -10,6 +10,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/nftcni/nftcni/integration/kubetest"
+	"github.com/nftcni/nftcni/integration/testnet"
+	"github.com/nftcni/nftcni/nft"
 )
 
 // sidecarPod creates a sidecar pod on node-a whose istio-validation init
@@ -70,7 +72,7 @@ func TestRepairDeletesAndLabelsBrokenSidecarPods(t *testing.T) {
 
 			h := newHost(t)
 			_, _, alog := startAgent(t, h, "--kubeconfig", api.AgentKubeconfig, "--node-name", "node-a", "--readiness-taint", "", "--readiness-condition", "",
-				"--repair-"+mode+"-pods")
+				"--repair-repair-pods=false", "--repair-"+mode+"-pods")
 			get := func(name string) (*corev1.Pod, error) {
 				return api.Client.CoreV1().Pods("shop").Get(ctx, name, metav1.GetOptions{})
 			}
@@ -93,5 +95,49 @@ func TestRepairDeletesAndLabelsBrokenSidecarPods(t *testing.T) {
 				t.Errorf("the healthy pod was repaired: %v %v", err, p.GetLabels())
 			}
 		})
+	}
+}
+
+// Istio's default, repairPods: a running sidecar pod whose capture check
+// crash-loops (it started before the CNI was ready) gets its ruleset in
+// place, in its netns found through /proc, so its check passes when
+// kubelet runs it again; the pod is neither deleted nor labelled.
+func TestRepairProgramsABrokenSidecarPodInPlace(t *testing.T) {
+	api := kubetest.Start(t)
+	ctx := context.Background()
+	if _, err := api.Client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	createManifest(t, api, []string{"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"})
+	pair := testnet.NewPair(t, 37)
+	ann := map[string]string{"sidecar.istio.io/status": `{"initContainers":["istio-validation"],"containers":["istio-proxy"]}`}
+	p := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "early", Namespace: "shop", Annotations: ann},
+		Spec: corev1.PodSpec{NodeName: "node-a",
+			InitContainers: []corev1.Container{{Name: "istio-validation", Image: "proxyv2"}},
+			Containers:     []corev1.Container{{Name: "app", Image: "app"}, {Name: "istio-proxy", Image: "proxyv2", Args: []string{"proxy", "sidecar"}}}}}
+	p, err := api.Client.CoreV1().Pods("shop").Create(ctx, p, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The API server gave the pod its UID: its process runs in the cgroup
+	// path a runtime gives it.
+	testnet.PodProcess(t, pair.Pod, string(p.UID))
+	p.Status.PodIP, p.Status.PodIPs = pair.PodIP4.String(), []corev1.PodIP{{IP: pair.PodIP4.String()}}
+	p.Status.InitContainerStatuses = []corev1.ContainerStatus{{Name: "istio-validation",
+		State:                corev1.ContainerState{Waiting: &corev1.ContainerStateWaiting{Reason: "CrashLoopBackOff"}},
+		LastTerminationState: corev1.ContainerState{Terminated: failed(126)}}}
+	if _, err := api.Client.CoreV1().Pods("shop").UpdateStatus(ctx, p, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	h := newHost(t)
+	_, _, alog := startAgent(t, h, "--kubeconfig", api.AgentKubeconfig, "--node-name", "node-a", "--readiness-taint", "", "--readiness-condition", "")
+	spec, err := nft.ParseSidecar(ann, nft.SidecarProxy{UID: 1337, GID: 1337})
+	if err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the sidecar ruleset in the pod's netns", func() bool { return nft.Verify(pair.Pod.FD, nft.Sidecar(spec)) == nil })
+	got, err := api.Client.CoreV1().Pods("shop").Get(ctx, "early", metav1.GetOptions{})
+	if err != nil || got.DeletionTimestamp != nil || got.Labels["cni.istio.io/uninitialized"] != "" {
+		t.Errorf("repaired in place, yet deleted or labelled: %v %+v\n%s", err, got.GetLabels(), alog)
 	}
 }

@@ -3,6 +3,7 @@ package enrol
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/netip"
 	"reflect"
 
@@ -199,4 +200,37 @@ func podIPs(p *corev1.Pod) []netip.Prefix {
 		}
 	}
 	return out
+}
+
+// RepairSidecar programs a running sidecar pod's ruleset into its netns,
+// found through /proc: istio-cni's repairPods, for a pod whose capture
+// check failed because it started before the CNI was ready. Its check
+// passes the next time kubelet runs it. The agent keeps nothing for the
+// pod: a sidecar pod's rules need no ztunnel, and its DEL removes them
+// with the netns.
+func (e *Enroller) RepairSidecar(ctx context.Context, kp *corev1.Pod) error {
+	ips := podIPs(kp)
+	if len(ips) == 0 {
+		return fmt.Errorf("pod %s/%s has no IP yet", kp.Namespace, kp.Name)
+	}
+	d := e.policy.Decide(kp, e.store.Namespace(kp.Namespace), ips)
+	if d.Mode != wire.ModeSidecar {
+		return fmt.Errorf("pod %s/%s is not a sidecar pod to the policy (%s)", kp.Namespace, kp.Name, d.Reason)
+	}
+	if e.opts.Finder == nil {
+		return errNoFinder
+	}
+	f, err := e.opts.Finder.Find(string(kp.UID), addrs(ips))
+	if err != nil {
+		return fmt.Errorf("pod %s/%s: finding its netns: %w", kp.Namespace, kp.Name, err)
+	}
+	defer f.Close()
+	_, batch, err := e.batches.get(d)
+	if err != nil {
+		return err
+	}
+	if err := e.rules.Program(int(f.Fd()), batch); err != nil {
+		return fmt.Errorf("pod %s/%s: programming its sidecar ruleset: %w", kp.Namespace, kp.Name, err)
+	}
+	return nil
 }

@@ -255,7 +255,7 @@ func Start(ctx context.Context, cfg Config) (_ *Node, err error) {
 	}
 	switch {
 	case kube != nil:
-		rep := repair.New(cfg.Repair, cfg.Kube, log)
+		rep := repair.New(cfg.Repair, cfg.Kube, e.RepairSidecar, log)
 		n.goWait(func() {
 			kube.Run(ctx, func(ctx context.Context, namespace, name string) error {
 				err := e.Reconcile(ctx, namespace, name)

@@ -24,7 +24,11 @@ import (
 
 // Config is istio-cni's repair configuration, with its defaults.
 type Config struct {
-	Enabled    bool
+	Enabled bool
+	// RepairPods programs the running pod's ruleset in place (its check
+	// then passes when kubelet runs it again); a pod that will not run it
+	// again is deleted or labelled instead.
+	RepairPods bool
 	DeletePods bool
 	LabelPods  bool
 	LabelKey   string
@@ -38,7 +42,7 @@ type Config struct {
 
 // DefaultConfig is istio-cni's (its ValidationErrorCode is 126).
 func DefaultConfig() Config {
-	return Config{Enabled: true, LabelKey: "cni.istio.io/uninitialized", LabelValue: "true",
+	return Config{Enabled: true, RepairPods: true, LabelKey: "cni.istio.io/uninitialized", LabelValue: "true",
 		SidecarAnnotation: "sidecar.istio.io/status", InitContainerName: "istio-validation", InitExitCode: 126}
 }
 
@@ -50,9 +54,15 @@ type API interface {
 
 // Broken says whether pod's validation init container failed, and how.
 func Broken(cfg Config, pod *corev1.Pod) (bool, string) {
+	broken, why, _ := broken(cfg, pod)
+	return broken, why
+}
+
+// broken is Broken, also saying whether the pod will run the check again.
+func broken(cfg Config, pod *corev1.Pod) (bool, string, bool) {
 	if cfg.SidecarAnnotation != "" {
 		if _, ok := pod.Annotations[cfg.SidecarAnnotation]; !ok {
-			return false, ""
+			return false, "", false
 		}
 	}
 	matches := func(t *corev1.ContainerStateTerminated) bool {
@@ -68,40 +78,50 @@ func Broken(cfg Config, pod *corev1.Pod) (bool, string) {
 			continue // it passed now: never broken
 		}
 		if matches(c.LastTerminationState.Terminated) {
-			return true, fmt.Sprintf("init container %s keeps failing (exit code %d)", c.Name, c.LastTerminationState.Terminated.ExitCode)
+			return true, fmt.Sprintf("init container %s keeps failing (exit code %d)", c.Name, c.LastTerminationState.Terminated.ExitCode), true
 		}
 		// The case Istio misses: failed, and the pod will not run it again.
 		if matches(c.State.Terminated) && pod.Spec.RestartPolicy == corev1.RestartPolicyNever {
-			return true, fmt.Sprintf("init container %s failed (exit code %d) and restartPolicy Never will not run it again", c.Name, c.State.Terminated.ExitCode)
+			return true, fmt.Sprintf("init container %s failed (exit code %d) and restartPolicy Never will not run it again", c.Name, c.State.Terminated.ExitCode), false
 		}
 	}
-	return false, ""
+	return false, "", false
 }
+
+// InPlace programs a running pod's ruleset (package enrol's RepairSidecar).
+type InPlace func(ctx context.Context, pod *corev1.Pod) error
 
 // Repairer acts on broken pods.
 type Repairer struct {
-	cfg Config
-	api API
-	log *slog.Logger
+	cfg     Config
+	api     API
+	inPlace InPlace
+	log     *slog.Logger
 }
 
 // New returns a Repairer; with cfg.Enabled false it does nothing.
-func New(cfg Config, api API, log *slog.Logger) *Repairer {
-	return &Repairer{cfg: cfg, api: api, log: log}
+func New(cfg Config, api API, inPlace InPlace, log *slog.Logger) *Repairer {
+	return &Repairer{cfg: cfg, api: api, inPlace: inPlace, log: log}
 }
 
-// Reconcile deletes or labels pod when it is broken (DeletePods first, as
-// Istio orders them).
+// Reconcile repairs pod when it is broken: in place (RepairPods) when it
+// will run its check again, else by deleting (DeletePods) or labelling it
+// (LabelPods), in Istio's order.
 func (r *Repairer) Reconcile(ctx context.Context, pod *corev1.Pod) error {
 	if r == nil || !r.cfg.Enabled || pod == nil || pod.DeletionTimestamp != nil {
 		return nil
 	}
-	broken, why := Broken(r.cfg, pod)
+	broken, why, retried := broken(r.cfg, pod)
 	if !broken {
 		return nil
 	}
 	key := pod.Namespace + "/" + pod.Name
 	switch {
+	case r.cfg.RepairPods && retried && r.inPlace != nil:
+		if err := r.inPlace(ctx, pod); err != nil {
+			return fmt.Errorf("repairing pod %s in place: %w", key, err)
+		}
+		r.log.Warn("programmed the ruleset of a running pod whose traffic capture check failed; the check passes when kubelet runs it again", "pod", key, "why", why)
 	case r.cfg.DeletePods:
 		// Preconditions: the pod judged broken, not a newer one by its name.
 		if err := r.api.DeletePod(ctx, pod.Namespace, pod.Name, pod.UID, pod.ResourceVersion); err != nil {

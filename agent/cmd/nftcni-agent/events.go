@@ -47,6 +47,7 @@ func (a *ambientFlags) register(f *flagSet) {
 	// istio-cni's repair controller, under its flag names and defaults.
 	d := repair.DefaultConfig()
 	f.boolean(&a.repair.Enabled, "repair-enabled", "REPAIR_ENABLED", d.Enabled, "act on sidecar pods whose istio-validation init container failed (their traffic was not captured when it ran)")
+	f.boolean(&a.repair.RepairPods, "repair-repair-pods", "REPAIR_REPAIR_PODS", d.RepairPods, "program such a pod's ruleset in place, found through /proc, so its check passes when kubelet runs it again (a pod that will not run it again is deleted or labelled instead)")
 	f.boolean(&a.repair.DeletePods, "repair-delete-pods", "REPAIR_DELETE_PODS", d.DeletePods, "delete such pods, so they are re-created with capture in place (also those that will never run the init container again: restartPolicy Never)")
 	f.boolean(&a.repair.LabelPods, "repair-label-pods", "REPAIR_LABEL_PODS", d.LabelPods, "label such pods (when not deleting them)")
 	f.str(&a.repair.LabelKey, "repair-broken-pod-label-key", "REPAIR_BROKEN_POD_LABEL_KEY", d.LabelKey, "the label key --repair-label-pods sets")
