@@ -7,7 +7,7 @@ VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -s -w -X main.version=$(VERSION)
 export CGO_ENABLED := 0
 
-.PHONY: all build test unit bench demo lint fuzz clean deps cni-plugins k8s-bins containerd-bins helm istio-bins docs manifest
+.PHONY: all build image test unit bench demo lint fuzz clean deps cni-plugins k8s-bins containerd-bins helm istio-bins docs manifest
 
 # The reference CNI plugins and cnitool, built from the Go module proxy once
 # and cached: the end-to-end tests chain nftcni after them.
@@ -42,6 +42,12 @@ build:
 
 # All tests, including the ones that need root and network namespaces (they
 # skip with a message when not root). Fuzz seed corpora run as plain tests.
+# The image as an OCI archive, built offline from the binaries at the
+# Dockerfile's paths (hack/mkimage); same commit, same digest.
+IMAGE ?= ghcr.io/nftcni/nftcni:$(VERSION)
+image: build
+	SOURCE_DATE_EPOCH=$$(git log -1 --format=%ct 2>/dev/null || echo 0) $(GO) run ./hack/mkimage -bin $(BIN) -tag $(IMAGE) -out $(BIN)/nftcni-image.oci.tar
+
 test: deps build cni-plugins k8s-bins containerd-bins helm
 	NFTCNI_REQUIRE_CRI=1 $(GO) test -count=1 ./...
 
