@@ -20,7 +20,7 @@ import (
 	"time"
 
 	"github.com/nftcni/nftcni/conflist"
-	"github.com/nftcni/nftcni/integration/testnet"
+	"github.com/nftcni/nftcni/internal/testnet"
 )
 
 var binDir string

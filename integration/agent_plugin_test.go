@@ -13,8 +13,8 @@ import (
 	"github.com/containernetworking/cni/libcni"
 
 	"github.com/nftcni/nftcni/agent/zds"
-	"github.com/nftcni/nftcni/integration/testnet"
-	"github.com/nftcni/nftcni/integration/ztunneltest"
+	"github.com/nftcni/nftcni/internal/testnet"
+	"github.com/nftcni/nftcni/internal/ztunneltest"
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
 )

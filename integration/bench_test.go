@@ -17,7 +17,7 @@ import (
 
 	"github.com/nftcni/nftcni/conflist"
 	"github.com/nftcni/nftcni/integration/containerdtest"
-	"github.com/nftcni/nftcni/integration/testnet"
+	"github.com/nftcni/nftcni/internal/testnet"
 )
 
 // BenchmarkCNIAdd measures what nftcni adds to a pod's CNI ADD: the same

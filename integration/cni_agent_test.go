@@ -19,7 +19,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/nftcni/nftcni/agent/zds"
-	"github.com/nftcni/nftcni/integration/testnet"
+	"github.com/nftcni/nftcni/internal/testnet"
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
 )

@@ -24,7 +24,7 @@ import (
 	"k8s.io/client-go/restmapper"
 
 	"github.com/nftcni/nftcni/integration/kubetest"
-	"github.com/nftcni/nftcni/integration/testnet"
+	"github.com/nftcni/nftcni/internal/testnet"
 )
 
 const chart = "../deploy/charts/nftcni"

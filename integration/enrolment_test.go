@@ -21,8 +21,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/nftcni/nftcni/agent/zds"
-	"github.com/nftcni/nftcni/integration/testnet"
-	"github.com/nftcni/nftcni/integration/ztunneltest"
+	"github.com/nftcni/nftcni/internal/testnet"
+	"github.com/nftcni/nftcni/internal/ztunneltest"
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
 )

@@ -7,8 +7,8 @@ import (
 	"time"
 
 	"github.com/nftcni/nftcni/agent/zds"
-	"github.com/nftcni/nftcni/integration/testnet"
-	"github.com/nftcni/nftcni/integration/ztunneltest"
+	"github.com/nftcni/nftcni/internal/testnet"
+	"github.com/nftcni/nftcni/internal/ztunneltest"
 )
 
 // A new node: an ambient pod started before nftcni was ever installed on

@@ -17,8 +17,8 @@ import (
 	"github.com/nftcni/nftcni/agent/zds"
 	"github.com/nftcni/nftcni/integration/istiotest"
 	"github.com/nftcni/nftcni/integration/kubetest"
-	"github.com/nftcni/nftcni/integration/testnet"
-	"github.com/nftcni/nftcni/integration/ztunneltest"
+	"github.com/nftcni/nftcni/internal/testnet"
+	"github.com/nftcni/nftcni/internal/ztunneltest"
 )
 
 // BenchmarkIstioCNIAdd measures Istio's own CNI (install-cni in ambient

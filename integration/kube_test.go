@@ -14,8 +14,8 @@ import (
 	"github.com/nftcni/nftcni/agent/enablement"
 	"github.com/nftcni/nftcni/agent/zds"
 	"github.com/nftcni/nftcni/integration/kubetest"
-	"github.com/nftcni/nftcni/integration/testnet"
-	"github.com/nftcni/nftcni/integration/ztunneltest"
+	"github.com/nftcni/nftcni/internal/testnet"
+	"github.com/nftcni/nftcni/internal/ztunneltest"
 )
 
 func eventually(t *testing.T, what string, cond func() bool) {

@@ -13,7 +13,7 @@ import (
 	"github.com/containernetworking/cni/pkg/types/040"
 	"github.com/containernetworking/plugins/pkg/ns"
 
-	"github.com/nftcni/nftcni/integration/testnet"
+	"github.com/nftcni/nftcni/internal/testnet"
 )
 
 // A node whose primary is a single-plugin .conf at cniVersion 0.2.0 (the

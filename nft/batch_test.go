@@ -10,7 +10,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/nftcni/nftcni/integration/testnet"
+	"github.com/nftcni/nftcni/internal/testnet"
 )
 
 // headers lists the (type, flags) of each message in b.

@@ -9,7 +9,7 @@ import (
 	"sync"
 	"testing"
 
-	"github.com/nftcni/nftcni/integration/testnet"
+	"github.com/nftcni/nftcni/internal/testnet"
 )
 
 var counters = regexp.MustCompile(`counter packets \d+ bytes \d+`)

@@ -7,7 +7,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nftcni/nftcni/integration/testnet"
+	"github.com/nftcni/nftcni/internal/testnet"
 )
 
 const wait = 2 * time.Second

@@ -10,7 +10,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nftcni/nftcni/integration/testnet"
+	"github.com/nftcni/nftcni/internal/testnet"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
 

@@ -11,7 +11,7 @@ import (
 
 	"github.com/nftcni/nftcni/agent/hostprobe"
 	"github.com/nftcni/nftcni/agent/records"
-	"github.com/nftcni/nftcni/integration/testnet"
+	"github.com/nftcni/nftcni/internal/testnet"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
 

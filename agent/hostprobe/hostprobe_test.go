@@ -9,7 +9,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/nftcni/nftcni/integration/testnet"
+	"github.com/nftcni/nftcni/internal/testnet"
 	"github.com/nftcni/nftcni/nft"
 )
 

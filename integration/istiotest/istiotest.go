@@ -24,7 +24,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nftcni/nftcni/integration/testnet"
+	"github.com/nftcni/nftcni/internal/testnet"
 )
 
 // Bins is the dir holding install-cni and istio-cni.
