@@ -254,8 +254,8 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 	// needs nothing. A sidecar pod's ruleset is the agent's decision like
 	// any other's: it exempts the proxy's UID and GID, which only the pod
 	// spec says (runAsUser; OpenShift assigns one that is not 1337).
-	if d := wire.SidecarFromAnnotations(pod.Annotations, wire.HasIPv6(pod.IPs)); d != nil && d.Mode == wire.ModeNone {
-		c.debug("passing through", "reason", d.Reason)
+	if inj, why := wire.SidecarInjection(pod.Annotations); inj == wire.CapturesItself || inj == wire.NoProxy {
+		c.debug("passing through", "reason", why)
 		return c.printPrev(stdout)
 	}
 
@@ -339,11 +339,11 @@ func (c *call) wouldEnrol(pod *wire.Pod) (bool, string, error) {
 // agentDown applies the failure policy when the agent could not be asked.
 func (c *call) agentDown(pod *wire.Pod, cause error, stdout io.Writer) error {
 	sock := c.conf.SocketPath()
-	if d := wire.SidecarFromAnnotations(pod.Annotations, wire.HasIPv6(pod.IPs)); d != nil && d.Mode == wire.ModeSidecar {
+	if inj, why := wire.SidecarInjection(pod.Annotations); inj == wire.Sidecar {
 		return types.NewError(types.ErrTryAgainLater,
 			fmt.Sprintf("nftcni: pod %s has an Istio sidecar (%s): its ruleset must exempt the proxy's UID and GID, which only the pod spec says "+
 				"and only the agent reads, and the nftcni agent at %s cannot be reached: %v; the pod will not start with a guessed UID, and the runtime will retry",
-				pod.Key(), d.Reason, sock, cause), "")
+				pod.Key(), why, sock, cause), "")
 	}
 	enrol, why, err := c.wouldEnrol(pod)
 	if err != nil {
@@ -425,11 +425,11 @@ func (p *Plugin) Check(args *Args) (err error) {
 	}
 	// Only a pod that should have rules needs the agent to check them (a
 	// sidecar pod's depend on its spec, which the agent has).
-	sidecar := wire.SidecarFromAnnotations(pod.Annotations, wire.HasIPv6(pod.IPs))
-	if sidecar != nil && sidecar.Mode == wire.ModeNone {
+	inj, _ := wire.SidecarInjection(pod.Annotations)
+	if inj == wire.CapturesItself || inj == wire.NoProxy {
 		return nil
 	}
-	if enrol, _, perr := c.wouldEnrol(pod); sidecar == nil && perr == nil && !enrol {
+	if enrol, _, perr := c.wouldEnrol(pod); inj != wire.Sidecar && perr == nil && !enrol {
 		return nil
 	}
 	return types.NewError(types.ErrTryAgainLater, fmt.Sprintf("nftcni: pod %s: cannot verify its ruleset without the agent at %s: %v", pod.Key(), c.conf.SocketPath(), err), "")

@@ -14,28 +14,39 @@ type sidecarStatus struct {
 	Containers     []string `json:"containers"`
 }
 
-// SidecarFromAnnotations decides a sidecar-injected pod from its
-// annotations alone, as the runtime passes them: nil when they do not say
-// (no annotations, no or unreadable injection status), so the agent must be
-// asked. The injection status lists the injected containers, which stands
-// in for the pod spec Istio's plugin reads: an istio-init container means
-// the pod captures its own traffic, no istio-proxy means nothing to
-// capture for. Proxy UID/GID are Istio's defaults (1337).
-func SidecarFromAnnotations(ann map[string]string, ipv6 bool) *Decision {
+// Injection is what a pod's annotations, as the runtime passes them, say
+// of Istio's sidecar injection. They never decide a sidecar pod's ruleset:
+// that exempts the proxy's UID and GID, which only the pod spec says (the
+// agent decides, package enablement); they only tell the plugin what it
+// may do without the agent.
+type Injection int
+
+const (
+	// NotInjected: no (readable) injection status; the agent decides.
+	NotInjected Injection = iota
+	// CapturesItself: istio-init was injected; no rules are needed.
+	CapturesItself
+	// NoProxy: injected without istio-proxy; nothing to capture for.
+	NoProxy
+	// Sidecar: istio-proxy injected; only the agent can decide the rules.
+	Sidecar
+)
+
+// SidecarInjection reads the injection status, and why in words.
+func SidecarInjection(ann map[string]string) (Injection, string) {
 	raw, ok := ann[nft.AnnSidecarStatus]
 	if !ok {
-		return nil
+		return NotInjected, ""
 	}
 	var st sidecarStatus
 	if err := json.Unmarshal([]byte(raw), &st); err != nil {
-		return nil
+		return NotInjected, ""
 	}
 	switch {
 	case slices.Contains(st.InitContainers, "istio-init"):
-		return &Decision{Mode: ModeNone, Reason: "sidecar injected with istio-init, which captures traffic itself"}
+		return CapturesItself, "sidecar injected with istio-init, which captures traffic itself"
 	case !slices.Contains(st.Containers, "istio-proxy"):
-		return &Decision{Mode: ModeNone, Reason: "sidecar status lists no istio-proxy container"}
+		return NoProxy, "sidecar status lists no istio-proxy container"
 	}
-	return &Decision{Mode: ModeSidecar, Reason: "sidecar injected (" + nft.AnnSidecarStatus + ")",
-		Sidecar: &SidecarDecision{Annotations: ann, Proxy: nft.SidecarProxy{IPv6: ipv6}}}
+	return Sidecar, "sidecar injected (" + nft.AnnSidecarStatus + " lists istio-proxy)"
 }

@@ -83,30 +83,22 @@ func TestFallback(t *testing.T) {
 	}
 }
 
-func TestSidecarFromAnnotations(t *testing.T) {
-	injected := `{"initContainers":["istio-validation"],"containers":["istio-proxy"]}`
+func TestSidecarInjection(t *testing.T) {
 	for _, tc := range []struct {
 		name string
 		ann  map[string]string
-		want Mode // "" = undecided, ask the agent
+		want Injection
 	}{
-		{"no annotations", nil, ""},
-		{"not injected", map[string]string{"a": "b"}, ""},
-		{"unreadable status", map[string]string{nft.AnnSidecarStatus: "{"}, ""},
-		{"injected", map[string]string{nft.AnnSidecarStatus: injected}, ModeSidecar},
-		{"istio-init", map[string]string{nft.AnnSidecarStatus: `{"initContainers":["istio-init"],"containers":["istio-proxy"]}`}, ModeNone},
-		{"no proxy", map[string]string{nft.AnnSidecarStatus: `{"containers":["app"]}`}, ModeNone},
+		{"no annotations", nil, NotInjected},
+		{"not injected", map[string]string{"a": "b"}, NotInjected},
+		{"unreadable status", map[string]string{nft.AnnSidecarStatus: "{"}, NotInjected},
+		{"injected", map[string]string{nft.AnnSidecarStatus: `{"initContainers":["istio-validation"],"containers":["istio-proxy"]}`}, Sidecar},
+		{"istio-init", map[string]string{nft.AnnSidecarStatus: `{"initContainers":["istio-init"],"containers":["istio-proxy"]}`}, CapturesItself},
+		{"no proxy", map[string]string{nft.AnnSidecarStatus: `{"containers":["app"]}`}, NoProxy},
 	} {
-		d := SidecarFromAnnotations(tc.ann, true)
-		var got Mode
-		if d != nil {
-			got = d.Mode
-		}
-		if got != tc.want {
-			t.Errorf("%s: mode %q, want %q", tc.name, got, tc.want)
-		}
-		if got == ModeSidecar && (!d.Sidecar.Proxy.IPv6 || d.Sidecar.Annotations[nft.AnnSidecarStatus] != injected) {
-			t.Errorf("%s: sidecar inputs %+v", tc.name, d.Sidecar)
+		got, why := SidecarInjection(tc.ann)
+		if got != tc.want || (got != NotInjected && why == "") {
+			t.Errorf("%s: %v (%q), want %v", tc.name, got, why, tc.want)
 		}
 	}
 }
