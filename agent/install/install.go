@@ -343,7 +343,14 @@ func (in *Installer) ensureChained(res *Result) error {
 	if c.Kind == conflist.Single {
 		return in.convertSingle(c, raise, res)
 	}
-	out, err := conflist.Insert(c.Data, templates.PluginType, in.cfg.Entry)
+	// Taking over from istio-cni: its entry goes in the same write that
+	// adds ours, so the runtime never loads a chain with both plugins or
+	// with neither; its binary goes only after that.
+	doc, istio, err := conflist.RemoveEntries(c.Data, IstioPluginType)
+	if err != nil {
+		return fmt.Errorf("removing istio-cni's entry from %s: %w", c.Path, err)
+	}
+	out, err := conflist.Insert(doc, templates.PluginType, in.cfg.Entry)
 	if err != nil {
 		return fmt.Errorf("adding nftcni to %s: %w", c.Path, err)
 	}
@@ -355,7 +362,33 @@ func (in *Installer) ensureChained(res *Result) error {
 	if err != nil {
 		return err
 	}
-	return in.write(c.Path, c.Data, out, &meta, res)
+	if err := in.write(c.Path, c.Data, out, &meta, res); err != nil {
+		return err
+	}
+	if istio > 0 {
+		in.log.Info("took over from istio-cni: its conflist entry replaced by nftcni's in one write", "config", c.Path)
+		in.removeIstioBinary()
+	}
+	return nil
+}
+
+// IstioPluginType is istio-cni's plugin type in a conflist.
+const IstioPluginType = "istio-cni"
+
+// removeIstioBinary removes istio-cni's plugin from the bin dirs once no
+// conflist entry names it; one not there is fine.
+func (in *Installer) removeIstioBinary() {
+	for _, dir := range in.cfg.BinDirs {
+		p := filepath.Join(dir, IstioPluginType)
+		if _, err := os.Lstat(p); err != nil {
+			continue
+		}
+		if err := conflist.RemoveFile(p); err != nil {
+			in.log.Warn("could not remove istio-cni's plugin binary; no conflist entry names it any more", "path", p, "err", err)
+			continue
+		}
+		in.log.Info("removed istio-cni's plugin binary", "path", p)
+	}
 }
 
 // convertSingle turns X.conf (or X.json) into X.conflist with our entry, then
@@ -406,8 +439,8 @@ func (in *Installer) ensureOwned(res *Result) error {
 	var out []byte
 	if c.Kind == conflist.Single {
 		out, err = conflist.FromSingle(c, raise, templates.PluginType, in.cfg.Entry)
-	} else {
-		out, err = conflist.Insert(c.Data, templates.PluginType, in.cfg.Entry)
+	} else if out, _, err = conflist.RemoveEntries(c.Data, IstioPluginType); err == nil { // never both in our copy
+		out, err = conflist.Insert(out, templates.PluginType, in.cfg.Entry)
 	}
 	if err != nil {
 		return fmt.Errorf("building owned copy of %s: %w", c.Path, err)

@@ -701,3 +701,56 @@ func TestConfOlderThanChainingIsRefusedWhenItsPluginCannotChain(t *testing.T) {
 		})
 	}
 }
+
+// A node where istio-cni ran: its entry in the primary conflist and its
+// binary. nftcni's entry replaces Istio's in one write (every other byte
+// the primary's), and Istio's binary goes after it.
+func TestTakesOverFromIstioCNI(t *testing.T) {
+	n := newNode(t)
+	orig, err := os.ReadFile(filepath.Join(corpusDir, "10-calico.conflist"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	istioEntry := []byte(`{"type":"istio-cni","log_level":"info","cni_event_address":"/var/run/istio-cni/pluginevent.sock",` +
+		`"ambient_enabled":true,"exclude_namespaces":["kube-system"],"kubernetes":{"kubeconfig":"/etc/cni/net.d/ZZZ-istio-cni-kubeconfig","cni_bin_dir":"/opt/cni/bin"}}`)
+	withIstio, err := conflist.Insert(orig, IstioPluginType, istioEntry)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.put(t, "10-calico.conflist", withIstio, 0o644)
+	if err := os.WriteFile(filepath.Join(n.bin, IstioPluginType), []byte("istio-cni"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	in := n.installer(t, Chained, "")
+	if _, err := in.Install(); err != nil {
+		t.Fatal(err)
+	}
+	got := n.read(t, "10-calico.conflist")
+	if len(conflist.Entries(got, IstioPluginType)) != 0 || !conflist.HasEntry(got, templates.PluginType, in.cfg.Entry) {
+		t.Fatalf("after the takeover:\n%s", got)
+	}
+	want, err := conflist.Insert(orig, templates.PluginType, in.cfg.Entry)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Errorf("not the primary's bytes with nftcni's entry:\n got %s\nwant %s", got, want)
+	}
+	if _, err := os.Stat(filepath.Join(n.bin, IstioPluginType)); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("istio-cni's binary still there: %v", err)
+	}
+	if !strings.Contains(n.logs.String(), "took over from istio-cni") {
+		t.Errorf("the takeover is not logged:\n%s", n.logs)
+	}
+	if res, err := in.Install(); err != nil || len(res.Wrote) != 0 {
+		t.Errorf("second install wrote %v (err %v)", res.Wrote, err)
+	}
+	// Uninstall leaves the primary's own bytes: istio-cni's installer puts
+	// its entry back when it starts again.
+	if err := in.Uninstall(); err != nil {
+		t.Fatal(err)
+	}
+	if got := n.read(t, "10-calico.conflist"); !bytes.Equal(got, orig) {
+		t.Errorf("after uninstall:\n%s", got)
+	}
+}
