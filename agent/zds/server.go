@@ -179,19 +179,26 @@ func (s *Server) handshake(ctx context.Context, uc *net.UnixConn) {
 			return
 		}
 	}
-	// Register: once the in-flight Adds are done, whatever they changed is
-	// sent under the registration lock, and c becomes the newest.
+	// Register: once the in-flight Adds are done (no new one starts while
+	// the registration lock is held), what they and any Del changed is
+	// sent, until nothing is left, and c becomes the newest in the same
+	// critical section that finds nothing left.
 	s.reg.Lock()
-	s.mu.Lock()
-	changed := s.pending[c]
-	s.mu.Unlock()
-	err = s.sendPods(c, changed, have)
-	if err == nil {
+	for {
 		s.mu.Lock()
-		delete(s.pending, c)
-		s.conns = append(s.conns, c)
-		s.connected.Set(1)
+		changed := s.pending[c]
+		if len(changed) == 0 {
+			delete(s.pending, c)
+			s.conns = append(s.conns, c)
+			s.connected.Set(1)
+			s.mu.Unlock()
+			break
+		}
+		s.pending[c] = nil
 		s.mu.Unlock()
+		if err = s.sendPods(c, changed, have); err != nil {
+			break
+		}
 	}
 	s.reg.Unlock()
 	if err != nil {
