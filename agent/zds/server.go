@@ -7,8 +7,10 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"slices"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -108,11 +110,12 @@ func (s *Server) Serve(ctx context.Context, l *net.UnixListener) error {
 	}
 }
 
-// Connected says whether any ztunnel is connected.
+// Connected says whether any ztunnel is connected and has acked its
+// whole snapshot, SnapshotSent included.
 func (s *Server) Connected() bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return len(s.conns) > 0
+	return slices.ContainsFunc(s.conns, func(c *conn) bool { return c.synced.Load() })
 }
 
 // handshake runs hello and the snapshot, then registers the connection as
@@ -206,6 +209,7 @@ func (s *Server) handshake(ctx context.Context, uc *net.UnixConn) {
 		return
 	}
 	err = c.request(&Request{Kind: KindSnapshotSent}, nil, time.Now().Add(s.AckTimeout))
+	c.synced.Store(err == nil)
 	<-c.turn
 	if err != nil {
 		s.drop(c, fmt.Errorf("snapshot end: %w", err))
@@ -464,6 +468,8 @@ type conn struct {
 	// rather than a mutex so that waiting for it has a deadline.
 	turn chan struct{}
 	uc   *net.UnixConn
+	// synced: ztunnel acked the whole snapshot, SnapshotSent included.
+	synced atomic.Bool
 }
 
 func newConn(uc *net.UnixConn) *conn { return &conn{turn: make(chan struct{}, 1), uc: uc} }
