@@ -113,3 +113,17 @@ func TestReadinessGateRetaintsAfterTheGracePeriod(t *testing.T) {
 	z.Wait(zds.KindSnapshotSent, "", 5*time.Second)
 	eventually(t, "untainted again", func() bool { return !has() })
 }
+
+// Without ZDS (ambient off: --ztunnel-socket none) there is no ztunnel to
+// wait for: the node is untainted once the install is in place.
+func TestReadinessGateWithoutZtunnel(t *testing.T) {
+	api := kubetest.Start(t)
+	createManifest(t, api, []string{"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"})
+	taintedNode(t, api, "node-s")
+	h := newHost(t)
+	startAgent(t, h, "--kubeconfig", api.AgentKubeconfig, "--node-name", "node-s", "--ztunnel-socket", "none")
+	eventually(t, "untainted without ztunnel configured", func() bool {
+		taints, c := nodeState(t, api, "node-s")
+		return !slices.Contains(taints, notReady.Key) && c != nil && c.Status == corev1.ConditionTrue
+	})
+}

@@ -224,9 +224,11 @@ func (r *runFlags) startGate(ctx context.Context, api kubesrc.API, n *node.Node,
 		return nil
 	}
 	checks := []readiness.Check{{Name: "install", Ready: state.Ready}}
-	if r.gate.needZtunnel {
+	// Without ZDS (--ztunnel-socket none: sidecar-only meshes) there is no
+	// ztunnel to wait for.
+	if r.gate.needZtunnel && n.ZDS != nil {
 		checks = append(checks, readiness.Check{Name: "ztunnel", Ready: func() error {
-			if n.ZDS == nil || !n.ZDS.Connected() {
+			if !n.ZDS.Connected() {
 				return readiness.ErrNoZtunnel
 			}
 			return nil
