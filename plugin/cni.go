@@ -142,17 +142,18 @@ func parseArgs(cmd string, getenv func(string) string, stdin io.Reader) (*Args, 
 	if a.StdinData, err = io.ReadAll(stdin); err != nil {
 		return nil, types.NewError(types.ErrIOFailure, fmt.Sprintf("error reading from stdin: %v", err), "")
 	}
-	if !gjson.ValidBytes(a.StdinData) || !gjson.ParseBytes(a.StdinData).IsObject() {
+	root := gjson.ParseBytes(a.StdinData) // one pass for both fields (ValidBytes is another)
+	if !gjson.ValidBytes(a.StdinData) || !root.IsObject() {
 		return nil, types.NewError(types.ErrDecodingFailure, "error unmarshall network config: not a JSON object", "")
 	}
-	name := gjson.GetBytes(a.StdinData, "name").String()
+	name := root.Get("name").String()
 	if name == "" {
 		return nil, types.NewError(types.ErrInvalidNetworkConfig, "missing network name", "")
 	}
 	if !validName(name) {
 		return nil, types.NewError(types.ErrInvalidNetworkConfig, "invalid characters found in network name", name)
 	}
-	v := gjson.GetBytes(a.StdinData, "cniVersion").String()
+	v := root.Get("cniVersion").String()
 	if v == "" {
 		v = "0.1.0" // the spec's meaning of an absent cniVersion
 	}

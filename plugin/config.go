@@ -216,8 +216,9 @@ func parseResult(p gjson.Result) (*result, error) {
 	return r, nil
 }
 
-// prevResult is prevResult as parsed (nil if absent).
-func (c *Config) prevResult() (*result, error) { return c.prev, nil }
+// prevResult is prevResult as parsed (nil if absent): ParseConfig already
+// refused one it could not read.
+func (c *Config) prevResult() *result { return c.prev }
 
 // K8sArgs are the CNI_ARGS that kubelet-era runtimes pass.
 type K8sArgs struct {

@@ -232,10 +232,7 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 			c.logger().Error("ADD failed", "err", err)
 		}
 	}()
-	prev, err := c.conf.prevResult()
-	if err != nil {
-		return err
-	}
+	prev := c.conf.prevResult()
 	if prev == nil {
 		return errors.New("nftcni: no prevResult: nftcni is a chained plugin and must come after the primary CNI plugin in the conflist")
 	}
@@ -399,10 +396,7 @@ func (p *Plugin) Check(args *Args) (err error) {
 		return err
 	}
 	defer c.finish()
-	prev, err := c.conf.prevResult()
-	if err != nil {
-		return err
-	}
+	prev := c.conf.prevResult()
 	if prev == nil {
 		return errors.New("nftcni: CHECK needs prevResult")
 	}
