@@ -228,6 +228,18 @@ func (r *rig) add(wp *wire.Pod, netns *os.File, pl *fakePlugin) error {
 	return r.e.Add(context.Background(), wp, netns, pl)
 }
 
+// addA runs the ADD of the tests' usual pod, mesh/a (uid-a, 10.0.0.5),
+// put in the store and given a sandbox first; pl nil: a plugin whose
+// outcome succeeds.
+func (r *rig) addA(pl *fakePlugin) error {
+	r.pod("mesh", "a", "uid-a", "10.0.0.5")
+	wp, ns := r.sandbox("mesh", "a", "uid-a", "10.0.0.5")
+	if pl == nil {
+		pl = &fakePlugin{l: r.l}
+	}
+	return r.add(wp, ns, pl)
+}
+
 func (r *rig) members() []string {
 	var out []string
 	for _, m := range r.e.Members() {
@@ -269,10 +281,8 @@ func (r *rig) recorded() map[string]wire.Mode {
 func TestAddEnrolsAmbientPodInOrder(t *testing.T) {
 	r := newRig(t)
 	r.namespace("mesh", true)
-	r.pod("mesh", "a", "uid-a", "10.0.0.5")
-	wp, ns := r.sandbox("mesh", "a", "uid-a", "10.0.0.5")
 	pl := &fakePlugin{l: r.l}
-	if err := r.add(wp, ns, pl); err != nil {
+	if err := r.addA(pl); err != nil {
 		t.Fatal(err)
 	}
 	if pl.decided.Mode != wire.ModeAmbient || pl.batch == nil {
@@ -308,11 +318,9 @@ func TestFailedStepUndoesTheEnrolment(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			r := newRig(t)
 			r.namespace("mesh", true)
-			r.pod("mesh", "a", "uid-a", "10.0.0.5")
-			wp, ns := r.sandbox("mesh", "a", "uid-a", "10.0.0.5")
 			pl := &fakePlugin{l: r.l}
 			tc.setup(r, pl)
-			if err := r.add(wp, ns, pl); err == nil {
+			if err := r.addA(pl); err == nil {
 				t.Fatal("ADD succeeded")
 			}
 			r.expect(tc.undo...)
@@ -370,9 +378,7 @@ func TestDelOfUnknownPodSendsNoDel(t *testing.T) {
 func TestPodGoneFromSourceIsReleased(t *testing.T) {
 	r := newRig(t)
 	r.namespace("mesh", true)
-	r.pod("mesh", "a", "uid-a", "10.0.0.5")
-	wp, ns := r.sandbox("mesh", "a", "uid-a", "10.0.0.5")
-	if err := r.add(wp, ns, &fakePlugin{l: r.l}); err != nil {
+	if err := r.addA(nil); err != nil {
 		t.Fatal(err)
 	}
 	r.l.reset()
@@ -394,10 +400,8 @@ func TestPodGoneFromSourceIsReleased(t *testing.T) {
 func TestLateEnrolmentAndUnenrolment(t *testing.T) {
 	r := newRig(t)
 	r.namespace("mesh", false)
-	r.pod("mesh", "a", "uid-a", "10.0.0.5")
-	wp, ns := r.sandbox("mesh", "a", "uid-a", "10.0.0.5")
 	pl := &fakePlugin{l: r.l}
-	if err := r.add(wp, ns, pl); err != nil {
+	if err := r.addA(pl); err != nil {
 		t.Fatal(err)
 	}
 	if pl.decided.Mode != wire.ModeNone {
@@ -435,9 +439,7 @@ func TestLateEnrolmentAndUnenrolment(t *testing.T) {
 func TestLateEnrolmentFailureLeavesPodAsItWas(t *testing.T) {
 	r := newRig(t)
 	r.namespace("mesh", false)
-	r.pod("mesh", "a", "uid-a", "10.0.0.5")
-	wp, ns := r.sandbox("mesh", "a", "uid-a", "10.0.0.5")
-	if err := r.add(wp, ns, &fakePlugin{l: r.l}); err != nil {
+	if err := r.addA(nil); err != nil {
 		t.Fatal(err)
 	}
 	r.namespace("mesh", true)
@@ -463,9 +465,7 @@ func TestLateEnrolmentFailureLeavesPodAsItWas(t *testing.T) {
 func TestRestartRestoresWithoutTouchingRules(t *testing.T) {
 	r := newRig(t)
 	r.namespace("mesh", true)
-	r.pod("mesh", "a", "uid-a", "10.0.0.5")
-	wp, ns := r.sandbox("mesh", "a", "uid-a", "10.0.0.5")
-	if err := r.add(wp, ns, &fakePlugin{l: r.l}); err != nil {
+	if err := r.addA(nil); err != nil {
 		t.Fatal(err)
 	}
 	r.e.Close()
@@ -494,9 +494,7 @@ func TestRestartRestoresWithoutTouchingRules(t *testing.T) {
 func TestVerifyRepairsDrift(t *testing.T) {
 	r := newRig(t)
 	r.namespace("mesh", true)
-	r.pod("mesh", "a", "uid-a", "10.0.0.5")
-	wp, ns := r.sandbox("mesh", "a", "uid-a", "10.0.0.5")
-	if err := r.add(wp, ns, &fakePlugin{l: r.l}); err != nil {
+	if err := r.addA(nil); err != nil {
 		t.Fatal(err)
 	}
 	r.l.reset()

@@ -250,9 +250,9 @@ func TestRollingUpdateTwoZtunnels(t *testing.T) {
 	newer.Wait(zds.KindDel, "uid-old-pod", wait)
 }
 
-// hungZtunnel says hello, acks its snapshot, then stops reading with its
-// socket open: ztunnel#1674's shape.
-func hungZtunnel(t *testing.T, path string) {
+// dialHello is a raw ztunnel connection that has said hello, closed when
+// the test ends.
+func dialHello(t *testing.T, path string) *net.UnixConn {
 	t.Helper()
 	uc, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: path, Net: "unixpacket"})
 	if err != nil {
@@ -262,6 +262,14 @@ func hungZtunnel(t *testing.T, path string) {
 	if _, err := uc.Write(zds.EncodeHello(zds.VersionV1)); err != nil {
 		t.Fatal(err)
 	}
+	return uc
+}
+
+// hungZtunnel says hello, acks its snapshot, then stops reading with its
+// socket open: ztunnel#1674's shape.
+func hungZtunnel(t *testing.T, path string) {
+	t.Helper()
+	uc := dialHello(t, path)
 	buf, oob := make([]byte, zds.MaxMessage), make([]byte, 1024)
 	for {
 		n, _, _, _, err := uc.ReadMsgUnix(buf, oob)
@@ -348,14 +356,7 @@ type slowZtunnel struct {
 
 func newSlowZtunnel(t *testing.T, path string, delay time.Duration) *slowZtunnel {
 	t.Helper()
-	uc, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: path, Net: "unixpacket"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { uc.Close() })
-	if _, err := uc.Write(zds.EncodeHello(zds.VersionV1)); err != nil {
-		t.Fatal(err)
-	}
+	uc := dialHello(t, path)
 	z := &slowZtunnel{done: make(chan struct{})}
 	go func() {
 		buf, oob := make([]byte, zds.MaxMessage), make([]byte, 1024)

@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	v1 "github.com/google/go-containerregistry/pkg/v1"
 	"github.com/google/go-containerregistry/pkg/v1/layout"
 )
 
@@ -28,19 +29,27 @@ func fakeBins(t *testing.T) string {
 	return dir
 }
 
+// archive builds the image from bins at when and writes its archive,
+// returning the image and the archive's path.
+func archive(t *testing.T, bins string, when time.Time) (v1.Image, string) {
+	t.Helper()
+	img, err := Build(bins, "amd64", when)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := filepath.Join(t.TempDir(), "img.tar")
+	if err := WriteArchive(img, "ghcr.io/nftcni/nftcni:test", out); err != nil {
+		t.Fatal(err)
+	}
+	return img, out
+}
+
 // Same inputs, same bytes: the archive and the digest.
 func TestReproducible(t *testing.T) {
 	bins := fakeBins(t)
 	var archives [][]byte
 	for range 2 {
-		img, err := Build(bins, "amd64", time.Unix(1700000000, 0))
-		if err != nil {
-			t.Fatal(err)
-		}
-		out := filepath.Join(t.TempDir(), "img.tar")
-		if err := WriteArchive(img, "ghcr.io/nftcni/nftcni:test", out); err != nil {
-			t.Fatal(err)
-		}
+		_, out := archive(t, bins, time.Unix(1700000000, 0))
 		b, err := os.ReadFile(out)
 		if err != nil {
 			t.Fatal(err)
@@ -138,14 +147,7 @@ func TestDockerfileAgrees(t *testing.T) {
 
 // The archive is an OCI image layout that a reader opens: one image, named.
 func TestArchiveIsAnOCILayout(t *testing.T) {
-	img, err := Build(fakeBins(t), "amd64", time.Unix(0, 0))
-	if err != nil {
-		t.Fatal(err)
-	}
-	out := filepath.Join(t.TempDir(), "img.tar")
-	if err := WriteArchive(img, "ghcr.io/nftcni/nftcni:test", out); err != nil {
-		t.Fatal(err)
-	}
+	img, out := archive(t, fakeBins(t), time.Unix(0, 0))
 	f, err := os.Open(out)
 	if err != nil {
 		t.Fatal(err)
