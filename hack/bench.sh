@@ -83,7 +83,7 @@ if [ -n "$(m BenchmarkIstioCNIAdd/iptables added-ambient-ms-median)" ] && [ -n "
 	done
 fi
 printf "  plugin binary (static, stripped): %s bytes\n" "$(stat -c %s bin/nftcni)"
-am() { awk -v m="$1" '/^BenchmarkAgentRestart500/ {for (i=1;i<=NF;i++) if ($(i+1)==m) {print $i; exit}}' "$out"; }
+am() { m BenchmarkAgentRestart500 "$1"; }
 if [ -n "$(am s/ready-500pods)" ]; then
 	echo "  agent with 500 enrolled pods (agent process, static pod source, test ztunnel; medians):"
 	printf "    %-58s %8s\n" "enrolment through libcni, 8 at a time (pods/s)" "$(am pods/s-enrol)"
@@ -95,7 +95,7 @@ if [ -n "$(am s/ready-500pods)" ]; then
 	printf "    %-58s %8s\n" "later verification passes (ms CPU each)" "$(am ms-cpu-per-verify-pass)"
 fi
 for gen in containerd-1.6 containerd-2; do
-	cm() { awk -v g="BenchmarkRunPodSandbox/$gen-" -v m="$1" 'index($1, g) == 1 {for (i=1;i<=NF;i++) if ($(i+1)==m) {print $i; exit}}' "$out"; }
+	cm() { m "BenchmarkRunPodSandbox/$gen" "$1"; }
 	[ -n "$(cm primary-ms-median)" ] || continue
 	echo "  CRI RunPodSandbox on $gen, bridge + host-local (ms, median / p90):"
 	printf "    %-34s %6.2f / %6.2f\n" "bridge alone" "$(cm primary-ms-median)" "$(cm primary-ms-p90)"
