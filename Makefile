@@ -17,8 +17,9 @@ CNI_VERSION         := v1.3.1
 CNI_BIN             := $(CACHE)/cni-plugins-$(CNI_PLUGINS_VERSION)
 CNI_PKG             := github.com/containernetworking/plugins/plugins
 export NFTCNI_CNI_BIN := $(CNI_BIN)
-# etcd and kube-apiserver for the Kubernetes integration tests, built from the
-# module proxy once (about 5 minutes cold on 2 cores) by hack/k8s-bins.sh.
+# etcd and the Kubernetes commands (API server for the integration tests; kubelet,
+# controller manager and scheduler for the node tests), built from the
+# module proxy once (about 8 minutes cold on 2 cores) by hack/k8s-bins.sh.
 K8S_BIN             := $(CACHE)/k8s-v1.37.2
 export NFTCNI_K8S_BIN := $(K8S_BIN)
 # containerd 2.x for the CRI end-to-end tests (1.6 comes from Debian, see
@@ -77,8 +78,10 @@ $(CONTAINERD2_BIN)/.complete:
 	  github.com/containerd/containerd/v2/cmd/ctr@$(CONTAINERD2_VERSION)
 	touch $@
 
-k8s-bins: $(K8S_BIN)/kube-apiserver
-$(K8S_BIN)/kube-apiserver:
+# The stamp names the last command built, so a cache holding only the API
+# server (older checkouts) gains the node's commands.
+k8s-bins: $(K8S_BIN)/kube-scheduler
+$(K8S_BIN)/kube-scheduler:
 	./hack/k8s-bins.sh $(K8S_BIN)
 
 cni-plugins: $(CNI_BIN)/.complete

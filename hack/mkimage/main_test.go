@@ -4,6 +4,7 @@ import (
 	"archive/tar"
 	"bytes"
 	"encoding/json"
+	"github.com/nftcni/nftcni/internal/ociimage"
 	"io"
 	"os"
 	"path/filepath"
@@ -38,7 +39,7 @@ func archive(t *testing.T, bins string, when time.Time) (v1.Image, string) {
 		t.Fatal(err)
 	}
 	out := filepath.Join(t.TempDir(), "img.tar")
-	if err := WriteArchive(img, "ghcr.io/nftcni/nftcni:test", out); err != nil {
+	if err := ociimage.WriteArchive(img, "ghcr.io/nftcni/nftcni:test", out); err != nil {
 		t.Fatal(err)
 	}
 	return img, out
