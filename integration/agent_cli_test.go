@@ -33,7 +33,8 @@ func TestMain(m *testing.M) {
 	binDir = dir
 	// Built as `make build` does, so what the tests exec is what ships.
 	build := exec.Command("go", "build", "-trimpath", "-ldflags", "-s -w", "-o", dir+"/", "../plugin/cmd/nftcni", "../agent/cmd/nftcni-agent",
-		"./cmd/nullplugin", "./cmd/hello") // the last two: benchmark baselines
+		"./cmd/nullplugin", "./cmd/hello", // benchmark baselines
+		"./cmd/nodeapp", "./cmd/ztunnel-stub") // the node tests' workload and ztunnel images
 	build.Env = append(os.Environ(), "CGO_ENABLED=0")
 	if out, err := build.CombinedOutput(); err != nil {
 		fmt.Fprintf(os.Stderr, "building binaries: %v\n%s", err, out)

@@ -370,9 +370,8 @@ var (
 func (c *Containerd) importPause() {
 	t := c.t
 	t.Helper()
-	pauseOnce.Do(func() { pauseTar, pauseErr = buildPauseImage() })
-	if pauseErr != nil {
-		t.Fatalf("pause image: %v", pauseErr)
+	if _, err := PauseArchive(); err != nil {
+		t.Fatalf("pause image: %v", err)
 	}
 	p := filepath.Join(c.Dir, "pause.tar")
 	if err := os.WriteFile(p, pauseTar, 0o600); err != nil {
@@ -382,6 +381,13 @@ func (c *Containerd) importPause() {
 	if err != nil {
 		t.Fatalf("ctr images import: %v\n%s", err, out)
 	}
+}
+
+// PauseArchive is the sandbox image PauseImage as an OCI archive, built
+// once per test binary.
+func PauseArchive() ([]byte, error) {
+	pauseOnce.Do(func() { pauseTar, pauseErr = buildPauseImage() })
+	return pauseTar, pauseErr
 }
 
 func buildPauseImage() ([]byte, error) {

@@ -101,7 +101,10 @@ func WriteArchive(img v1.Image, tag, out string) error {
 	if err != nil {
 		return err
 	}
-	if err := p.AppendImage(img, layout.WithAnnotations(map[string]string{"org.opencontainers.image.ref.name": tag})); err != nil {
+	// ref.name is the OCI way; containerd's `ctr images import` keeps a
+	// full reference only under its own key (or with --base-name).
+	if err := p.AppendImage(img, layout.WithAnnotations(map[string]string{
+		"org.opencontainers.image.ref.name": tag, "io.containerd.image.name": tag})); err != nil {
 		return err
 	}
 	tmp := out + ".tmp"

@@ -1,7 +1,10 @@
-// Command ztunnel-stub is the demo's stand-in for ztunnel: it connects to
-// the agent's ZDS socket and, for every pod it is handed, opens ztunnel's
-// listeners inside the pod's netns and prints each connection that lands
-// on them with its original destination. Not part of the product.
+// Command ztunnel-stub is the demo's and the node tests' stand-in for
+// ztunnel: it connects to the agent's ZDS socket and, for every pod it is
+// handed, opens ztunnel's listeners inside the pod's netns, greets every
+// connection that lands on them with "ztunnel:<port> dst=<original
+// destination>" and prints it. Like ztunnel it reconnects when the agent
+// restarts, keeping the old listeners until the new snapshot is in. Not
+// part of the product.
 package main
 
 import (
@@ -20,18 +23,29 @@ func main() {
 		fmt.Fprintln(os.Stderr, "usage: ztunnel-stub /path/to/ztunnel.sock")
 		os.Exit(2)
 	}
-	z, err := ztunneltest.Dial(os.Args[1], 10*time.Second)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "ztunnel-stub:", err)
-		os.Exit(1)
-	}
 	say := func(f string, a ...any) { fmt.Printf("  [ztunnel] "+f+"\n", a...) }
-	say("connected to %s, sent ZdsHello", os.Args[1])
+	var old *ztunnel
+	for {
+		z, err := ztunneltest.Dial(os.Args[1], time.Hour)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "ztunnel-stub:", err)
+			os.Exit(1)
+		}
+		say("connected to %s, sent ZdsHello", os.Args[1])
+		old = serveConn(say, z, old)
+		say("agent hung up; reconnecting")
+	}
+}
+
+type ztunnel = ztunneltest.Ztunnel
+
+// serveConn handles one connection until the agent hangs up, closing the
+// previous connection's listeners once this one's snapshot is in.
+func serveConn(say func(string, ...any), z, prev *ztunnel) *ztunnel {
 	for {
 		select {
 		case <-z.Done():
-			say("agent hung up")
-			return
+			return z
 		case e := <-z.Events():
 			switch e.Kind {
 			case zds.KindAdd:
@@ -45,6 +59,12 @@ func main() {
 						go serve(say, name, l)
 					}
 				}
+			case zds.KindSnapshotSent:
+				say("snapshot complete")
+				if prev != nil {
+					prev.Close()
+					prev = nil
+				}
 			default:
 				say("%s %s", e.Kind, e.UID)
 			}
@@ -52,14 +72,16 @@ func main() {
 	}
 }
 
-// serve reports each connection that lands on l.
+// serve greets and reports each connection that lands on l.
 func serve(say func(string, ...any), pod string, l net.Listener) {
+	_, port, _ := net.SplitHostPort(l.Addr().String())
 	for {
 		c, err := l.Accept()
 		if err != nil {
 			return
 		}
 		dst, _ := testnet.OriginalDst(c.(*net.TCPConn))
+		fmt.Fprintf(c, "ztunnel:%s dst=%s\n", port, dst)
 		say("%s: connection from %s to %s landed on %s", pod, c.RemoteAddr(), dst, c.LocalAddr())
 		c.Close()
 	}

@@ -1,0 +1,89 @@
+// Command nodeapp is the node tests' workload. It reports what it reached
+// so a test needs no kubectl exec:
+//
+//	nodeapp serve   HTTP on :8080 (/healthz for kubelet's probes, /probes:
+//	                the last probe's source, /dial?addr=H:P: the first line
+//	                the peer at H:P sends) and a banner "app:8081" on :8081
+//	nodeapp check H:P  an init container's proof: exit 0 only if a
+//	                connection to H:P lands on ztunnel's outbound port
+//
+// ztunnel's stand-in greets every connection with "ztunnel:<port> …".
+package main
+
+import (
+	"bufio"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"strings"
+	"sync"
+	"time"
+)
+
+func main() {
+	if len(os.Args) == 3 && os.Args[1] == "check" {
+		line, err := firstLine(os.Args[2])
+		if err != nil || !strings.HasPrefix(line, "ztunnel:15001") {
+			fmt.Printf("NOT CAPTURED: %s -> %q %v\n", os.Args[2], line, err)
+			os.Exit(1)
+		}
+		fmt.Printf("captured: %s -> %q\n", os.Args[2], line)
+		return
+	}
+	if len(os.Args) != 2 || os.Args[1] != "serve" {
+		fmt.Fprintln(os.Stderr, "usage: nodeapp serve | nodeapp check HOST:PORT")
+		os.Exit(2)
+	}
+	go banner()
+	var mu sync.Mutex
+	lastProbe := ""
+	http.HandleFunc("/healthz", func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		lastProbe = r.RemoteAddr
+		mu.Unlock()
+		fmt.Fprintln(w, "ok")
+	})
+	http.HandleFunc("/probes", func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		defer mu.Unlock()
+		fmt.Fprint(w, lastProbe)
+	})
+	http.HandleFunc("/dial", func(w http.ResponseWriter, r *http.Request) {
+		line, err := firstLine(r.URL.Query().Get("addr"))
+		if err != nil {
+			fmt.Fprintf(w, "error: %v", err)
+			return
+		}
+		fmt.Fprint(w, line)
+	})
+	fmt.Fprintln(os.Stderr, http.ListenAndServe(":8080", nil))
+	os.Exit(1)
+}
+
+func firstLine(addr string) (string, error) {
+	c, err := net.DialTimeout("tcp", addr, 2*time.Second)
+	if err != nil {
+		return "", err
+	}
+	defer c.Close()
+	_ = c.SetReadDeadline(time.Now().Add(2 * time.Second))
+	line, err := bufio.NewReader(c).ReadString('\n')
+	return strings.TrimSpace(line), err
+}
+
+func banner() {
+	l, err := net.Listen("tcp", ":8081")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	for {
+		c, err := l.Accept()
+		if err != nil {
+			return
+		}
+		fmt.Fprintln(c, "app:8081")
+		c.Close()
+	}
+}

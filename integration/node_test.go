@@ -1,0 +1,267 @@
+package integration
+
+// A real node: kubelet, the image, the chart installed with the real helm,
+// and ztunnel's stand-in as a DaemonSet pod (nodetest). Everything a user
+// does on a node, checked without kubectl exec: the workload reports what
+// it reached.
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+
+	"github.com/nftcni/nftcni/integration/containerdtest"
+	"github.com/nftcni/nftcni/integration/nodetest"
+	"github.com/nftcni/nftcni/internal/ociimage"
+)
+
+const (
+	nodeImageTag = "node-test"
+	appImage     = "localhost/nodeapp:" + nodeImageTag
+	ztunnelImage = "localhost/ztunnel-stub:" + nodeImageTag
+)
+
+// nodeImages builds the three images from the test binaries: nftcni at the
+// Dockerfile's paths, the workload and ztunnel's stand-in.
+func nodeImages(t *testing.T) map[string][]byte {
+	t.Helper()
+	read := func(name string) []byte {
+		b, err := os.ReadFile(filepath.Join(binDir, name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
+	archive := func(tag string, files []ociimage.File, entry, cmd []string) []byte {
+		img, err := ociimage.Build(files, ociimage.Config{Entrypoint: entry, Cmd: cmd, Arch: "amd64"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		out := filepath.Join(t.TempDir(), "image.tar")
+		if err := ociimage.WriteArchive(img, tag, out); err != nil {
+			t.Fatal(err)
+		}
+		b, err := os.ReadFile(out)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
+	return map[string][]byte{
+		"nftcni": archive("localhost/nftcni/nftcni:"+nodeImageTag, []ociimage.File{
+			{Path: "/opt/nftcni/bin/nftcni", Data: read("nftcni")}, {Path: "/opt/nftcni/bin/nftcni-agent", Data: read("nftcni-agent")},
+		}, []string{"/opt/nftcni/bin/nftcni-agent"}, []string{"run"}),
+		"nodeapp":      archive(appImage, []ociimage.File{{Path: "/nodeapp", Data: read("nodeapp")}}, []string{"/nodeapp"}, []string{"serve"}),
+		"ztunnel-stub": archive(ztunnelImage, []ociimage.File{{Path: "/ztunnel-stub", Data: read("ztunnel-stub")}}, []string{"/ztunnel-stub"}, nil),
+	}
+}
+
+func TestNode(t *testing.T) {
+	for _, gen := range containerdtest.Generations(t) {
+		t.Run(gen.Name, func(t *testing.T) { testNode(t, gen) })
+	}
+}
+
+func testNode(t *testing.T, gen containerdtest.Generation) {
+	n := nodetest.Start(t, gen)
+	ctx := context.Background()
+	for name, archive := range nodeImages(t) {
+		n.Import(name, archive)
+	}
+	chart, _ := filepath.Abs("../deploy/charts/nftcni")
+	values := []string{"--set", "hub=localhost/nftcni", "--set", "tag=" + nodeImageTag, "--set", "pullPolicy=Never",
+		"--set", "cniBinDir=" + n.BinDir, "--set", "cniConfDir=" + n.ConfDir}
+	if out, err := n.Helm(append([]string{"install", "nftcni", chart, "--namespace", "kube-system", "--wait", "--timeout", "120s"}, values...)...); err != nil {
+		t.Fatalf("helm install: %v\n%s", err, out)
+	}
+	agent := waitDaemonSetPodReady(t, n, "kube-system", "k8s-app=nftcni-node")
+	t.Logf("agent pod %s Ready", agent)
+	if _, err := os.Stat(filepath.Join(n.BinDir, "nftcni")); err != nil {
+		t.Fatalf("the agent did not install the plugin: %v", err)
+	}
+	conf, _ := os.ReadFile(filepath.Join(n.ConfDir, nodetest.ConfFile))
+	if !strings.Contains(string(conf), `"nftcni"`) {
+		t.Fatalf("the primary conflist was not patched:\n%s", conf)
+	}
+
+	deployZtunnel(t, n)
+	waitDaemonSetPodReady(t, n, "istio-system", "app=ztunnel")
+
+	mkNamespace(t, n, "amb", map[string]string{"istio.io/dataplane-mode": "ambient"})
+	mkNamespace(t, n, "plain", nil)
+	plain := runApp(t, n, "plain", "app", false)
+	amb := runApp(t, n, "amb", "app", true)
+	pod, err := n.Client.CoreV1().Pods("amb").Get(ctx, "app", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := pod.Annotations["ambient.istio.io/redirection"]; got != "enabled" {
+		t.Errorf("ambient pod annotation ambient.istio.io/redirection = %q, want enabled", got)
+	}
+	ask := func(podIP, path string) string {
+		t.Helper()
+		resp, err := n.HTTP().Get("http://" + podIP + ":8080" + path)
+		if err != nil {
+			t.Fatalf("GET %s%s: %v", podIP, path, err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return string(b)
+	}
+	// Outbound from the ambient pod lands on ztunnel's 15001; inbound from
+	// another pod on 15006; the plain pod reaches the real server.
+	if got := ask(amb, "/dial?addr="+plain+":8081"); !strings.HasPrefix(got, "ztunnel:15001 dst="+plain+":8081") {
+		t.Errorf("ambient pod's outbound: %q, want ztunnel:15001 dst=%s:8081", got, plain)
+	}
+	if got := ask(plain, "/dial?addr="+amb+":8081"); !strings.HasPrefix(got, "ztunnel:15006 dst="+amb+":8081") {
+		t.Errorf("inbound to the ambient pod: %q, want ztunnel:15006 dst=%s:8081", got, amb)
+	}
+	if got := ask(plain, "/dial?addr="+plain+":8081"); got != "app:8081" {
+		t.Errorf("plain pod's outbound: %q, want the real server's app:8081", got)
+	}
+	// kubelet's probes reach the ambient pod through the host probe SNAT.
+	if got := ask(amb, "/probes"); !strings.HasPrefix(got, "169.254.7.127:") {
+		t.Errorf("last probe of the ambient pod came from %q, want 169.254.7.127 (the host probe SNAT)", got)
+	}
+	if got := ask(plain, "/probes"); strings.HasPrefix(got, "169.254.7.127:") || got == "" {
+		t.Errorf("last probe of the plain pod came from %q, want the node's bridge address", got)
+	}
+
+	// helm upgrade with a changed value keeps every pod enrolled.
+	if out, err := n.Helm(append([]string{"upgrade", "nftcni", chart, "--namespace", "kube-system", "--wait", "--timeout", "120s", "--set", "logging.level=debug"}, values...)...); err != nil {
+		t.Fatalf("helm upgrade: %v\n%s", err, out)
+	}
+	n.WaitFor("the upgraded agent pod", 90*time.Second, func() bool {
+		p := daemonSetPodReady(n, "kube-system", "k8s-app=nftcni-node")
+		return p != "" && p != agent
+	})
+	if got := ask(amb, "/dial?addr="+plain+":8081"); !strings.HasPrefix(got, "ztunnel:15001") {
+		t.Errorf("after helm upgrade the ambient pod's outbound: %q, want ztunnel:15001", got)
+	}
+
+	// helm uninstall removes the conflist entry, the binary and the host table.
+	if out, err := n.Helm("uninstall", "nftcni", "--namespace", "kube-system", "--wait", "--timeout", "120s"); err != nil {
+		t.Fatalf("helm uninstall: %v\n%s", err, out)
+	}
+	n.WaitFor("the agent's clean-up on uninstall", 60*time.Second, func() bool {
+		conf, _ := os.ReadFile(filepath.Join(n.ConfDir, nodetest.ConfFile))
+		_, binErr := os.Stat(filepath.Join(n.BinDir, "nftcni"))
+		tables, _ := n.Run("nft", "list", "tables")
+		return !strings.Contains(string(conf), `"nftcni"`) && os.IsNotExist(binErr) && !strings.Contains(tables, "nftcni-host")
+	})
+}
+
+func mkNamespace(t *testing.T, n *nodetest.Node, name string, labels map[string]string) {
+	t.Helper()
+	_, err := n.Client.CoreV1().Namespaces().Create(context.Background(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.WaitFor("namespace "+name+"'s default ServiceAccount", 30*time.Second, func() bool {
+		_, err := n.Client.CoreV1().ServiceAccounts(name).Get(context.Background(), "default", metav1.GetOptions{})
+		return err == nil
+	})
+}
+
+// runApp runs the workload with kubelet's httpGet probes; with proof, an
+// init container that fails unless its connection is captured. It returns
+// the pod's IP once Ready.
+func runApp(t *testing.T, n *nodetest.Node, ns, name string, proof bool) string {
+	t.Helper()
+	probe := &corev1.Probe{ProbeHandler: corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/healthz", Port: intstr.FromInt(8080)}},
+		PeriodSeconds: 1, FailureThreshold: 3}
+	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns}, Spec: corev1.PodSpec{
+		NodeName: nodetest.NodeName,
+		Containers: []corev1.Container{{Name: "app", Image: appImage, ImagePullPolicy: corev1.PullNever,
+			ReadinessProbe: probe, LivenessProbe: probe}},
+	}}
+	if proof {
+		// The bridge's address, where nothing listens: only capture makes
+		// this connection succeed.
+		pod.Spec.InitContainers = []corev1.Container{{Name: "capture-proof", Image: appImage, ImagePullPolicy: corev1.PullNever,
+			Args: []string{"check", "10.88.0.1:9"}}}
+	}
+	if _, err := n.Client.CoreV1().Pods(ns).Create(context.Background(), pod, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	var ip string
+	n.WaitFor("pod "+ns+"/"+name+" Ready", 120*time.Second, func() bool {
+		p, err := n.Client.CoreV1().Pods(ns).Get(context.Background(), name, metav1.GetOptions{})
+		if err != nil || !podReady(p) {
+			return false
+		}
+		if proof && (len(p.Status.InitContainerStatuses) != 1 || p.Status.InitContainerStatuses[0].RestartCount != 0) {
+			t.Fatalf("the capture proof of %s/%s ran more than once (a run was not captured): %+v", ns, name, p.Status.InitContainerStatuses)
+		}
+		ip = p.Status.PodIP
+		return true
+	})
+	return ip
+}
+
+func podReady(p *corev1.Pod) bool {
+	for _, c := range p.Status.Conditions {
+		if c.Type == corev1.PodReady {
+			return c.Status == corev1.ConditionTrue
+		}
+	}
+	return false
+}
+
+func daemonSetPodReady(n *nodetest.Node, ns, selector string) string {
+	pods, err := n.Client.CoreV1().Pods(ns).List(context.Background(), metav1.ListOptions{LabelSelector: selector})
+	if err != nil {
+		return ""
+	}
+	for i := range pods.Items {
+		if p := &pods.Items[i]; p.DeletionTimestamp == nil && podReady(p) {
+			return p.Name
+		}
+	}
+	return ""
+}
+
+func waitDaemonSetPodReady(t *testing.T, n *nodetest.Node, ns, selector string) string {
+	t.Helper()
+	var name string
+	n.WaitFor(fmt.Sprintf("a Ready pod %s in %s", selector, ns), 120*time.Second, func() bool {
+		name = daemonSetPodReady(n, ns, selector)
+		return name != ""
+	})
+	return name
+}
+
+// deployZtunnel runs the stand-in as ztunnel's chart runs ztunnel: a
+// DaemonSet in istio-system with the host's ZDS socket dir mounted.
+func deployZtunnel(t *testing.T, n *nodetest.Node) {
+	t.Helper()
+	mkNamespace(t, n, "istio-system", nil)
+	priv := true
+	labels := map[string]string{"app": "ztunnel"}
+	ds := &appsv1.DaemonSet{ObjectMeta: metav1.ObjectMeta{Name: "ztunnel", Namespace: "istio-system"}, Spec: appsv1.DaemonSetSpec{
+		Selector: &metav1.LabelSelector{MatchLabels: labels},
+		Template: corev1.PodTemplateSpec{ObjectMeta: metav1.ObjectMeta{Labels: labels}, Spec: corev1.PodSpec{
+			Containers: []corev1.Container{{Name: "istio-proxy", Image: ztunnelImage, ImagePullPolicy: corev1.PullNever,
+				Args:            []string{"/var/run/ztunnel/ztunnel.sock"},
+				SecurityContext: &corev1.SecurityContext{Privileged: &priv},
+				VolumeMounts:    []corev1.VolumeMount{{Name: "cni-ztunnel-sock-dir", MountPath: "/var/run/ztunnel"}}}},
+			Volumes: []corev1.Volume{{Name: "cni-ztunnel-sock-dir", VolumeSource: corev1.VolumeSource{
+				HostPath: &corev1.HostPathVolumeSource{Path: "/var/run/ztunnel", Type: ptr(corev1.HostPathDirectoryOrCreate)}}}},
+		}},
+	}}
+	if _, err := n.Client.AppsV1().DaemonSets("istio-system").Create(context.Background(), ds, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func ptr[T any](v T) *T { return &v }
