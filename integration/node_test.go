@@ -11,6 +11,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -18,8 +19,10 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/intstr"
 
+	"github.com/nftcni/nftcni/agent/install"
 	"github.com/nftcni/nftcni/integration/containerdtest"
 	"github.com/nftcni/nftcni/integration/nodetest"
 	"github.com/nftcni/nftcni/internal/ociimage"
@@ -89,9 +92,15 @@ func testNode(t *testing.T, gen containerdtest.Generation) {
 	if _, err := os.Stat(filepath.Join(n.BinDir, "nftcni")); err != nil {
 		t.Fatalf("the agent did not install the plugin: %v", err)
 	}
-	conf, _ := os.ReadFile(filepath.Join(n.ConfDir, nodetest.ConfFile))
-	if !strings.Contains(string(conf), `"nftcni"`) {
-		t.Fatalf("the primary conflist was not patched:\n%s", conf)
+	// The chart's default install mode, owned: our own conflist, the
+	// primary's plugins plus ours, loaded first; the primary's untouched.
+	owned := filepath.Join(n.ConfDir, install.DefaultOwnedName)
+	conf, _ := os.ReadFile(owned)
+	if !strings.Contains(string(conf), `"nftcni"`) || !strings.Contains(string(conf), `"bridge"`) {
+		t.Fatalf("%s does not chain nftcni after the primary's plugins:\n%s", owned, conf)
+	}
+	if primary, _ := os.ReadFile(filepath.Join(n.ConfDir, nodetest.ConfFile)); string(primary) != n.PrimaryConflist() {
+		t.Errorf("the primary's conflist changed:\n%s", primary)
 	}
 
 	deployZtunnel(t, n)
@@ -100,7 +109,7 @@ func testNode(t *testing.T, gen containerdtest.Generation) {
 	mkNamespace(t, n, "amb", map[string]string{"istio.io/dataplane-mode": "ambient"})
 	mkNamespace(t, n, "plain", nil)
 	plain := runApp(t, n, "plain", "app", false)
-	amb := runApp(t, n, "amb", "app", true)
+	amb := runApp(t, n, "amb", "app", true, corev1.EnvVar{Name: "LOOP", Value: plain + ":8081"})
 	pod, err := n.Client.CoreV1().Pods("amb").Get(ctx, "app", metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -117,6 +126,9 @@ func testNode(t *testing.T, gen containerdtest.Generation) {
 		defer resp.Body.Close()
 		b, _ := io.ReadAll(resp.Body)
 		return string(b)
+	}
+	capturedOut := func(ip string) bool {
+		return strings.HasPrefix(ask(ip, "/dial?addr="+plain+":8081"), "ztunnel:15001 dst="+plain+":8081")
 	}
 	// Outbound from the ambient pod lands on ztunnel's 15001; inbound from
 	// another pod on 15006; the plain pod reaches the real server.
@@ -137,6 +149,47 @@ func testNode(t *testing.T, gen containerdtest.Generation) {
 		t.Errorf("last probe of the plain pod came from %q, want the node's bridge address", got)
 	}
 
+	// Labelling a running pod's namespace enrols it; removing the label
+	// releases it.
+	mkNamespace(t, n, "late", nil)
+	late := runApp(t, n, "late", "app", false)
+	if capturedOut(late) {
+		t.Fatal("a pod of an unlabelled namespace is captured")
+	}
+	labelNamespace(t, n, "late", `{"metadata":{"labels":{"istio.io/dataplane-mode":"ambient"}}}`)
+	n.WaitFor("late enrolment after labelling the namespace", 30*time.Second, func() bool {
+		p, err := n.Client.CoreV1().Pods("late").Get(ctx, "app", metav1.GetOptions{})
+		return err == nil && p.Annotations["ambient.istio.io/redirection"] == "enabled" && capturedOut(late)
+	})
+	labelNamespace(t, n, "late", `{"metadata":{"labels":{"istio.io/dataplane-mode":null}}}`)
+	n.WaitFor("release after removing the label", 30*time.Second, func() bool {
+		p, err := n.Client.CoreV1().Pods("late").Get(ctx, "app", metav1.GetOptions{})
+		return err == nil && p.Annotations["ambient.istio.io/redirection"] == "" && ask(late, "/dial?addr="+plain+":8081") == "app:8081"
+	})
+
+	// A rolling restart of the agent while the ambient pod's connection
+	// loop runs: nothing escapes; a pod created meanwhile waits, then
+	// starts captured (its proof would fail otherwise).
+	before := loopStats(t, ask(amb, "/loop"))
+	restartedAt := fmt.Sprintf(`{"spec":{"template":{"metadata":{"annotations":{"kubectl.kubernetes.io/restartedAt":%q}}}}}`, time.Now().Format(time.RFC3339))
+	if _, err := n.Client.AppsV1().DaemonSets("kube-system").Patch(ctx, "nftcni-node", types.StrategicMergePatchType, []byte(restartedAt), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	during := runApp(t, n, "amb", "during", true)
+	n.WaitFor("the restarted agent pod", 90*time.Second, func() bool {
+		p := daemonSetPodReady(n, "kube-system", "k8s-app=nftcni-node")
+		return p != "" && p != agent
+	})
+	agent = daemonSetPodReady(n, "kube-system", "k8s-app=nftcni-node")
+	if !capturedOut(during) {
+		t.Error("the pod created during the agent's restart is not captured")
+	}
+	after := loopStats(t, ask(amb, "/loop"))
+	if after["escaped"] != before["escaped"] || after["captured"] <= before["captured"] {
+		t.Errorf("connection loop across the agent's restart: before %v, after %v (escaped must not grow, captured must)", before, after)
+	}
+	t.Logf("connection loop across the agent's rolling restart: %v -> %v", before, after)
+
 	// helm upgrade with a changed value keeps every pod enrolled.
 	if out, err := n.Helm(append([]string{"upgrade", "nftcni", chart, "--namespace", "kube-system", "--wait", "--timeout", "120s", "--set", "logging.level=debug"}, values...)...); err != nil {
 		t.Fatalf("helm upgrade: %v\n%s", err, out)
@@ -149,15 +202,82 @@ func testNode(t *testing.T, gen containerdtest.Generation) {
 		t.Errorf("after helm upgrade the ambient pod's outbound: %q, want ztunnel:15001", got)
 	}
 
+	// Node reboot: every process killed at once, the primary CNI rewrites
+	// its conflist before the node's services start, then everything boots.
+	ambUID := string(pod.UID)
+	ids := map[string]string{}
+	for _, ref := range []string{"plain/app", "amb/app", "amb/during"} {
+		ids[ref] = containerID(t, n, ref)
+	}
+	n.Reboot(n.WritePrimaryConflist)
+	waitDaemonSetPodReady(t, n, "kube-system", "k8s-app=nftcni-node")
+	waitDaemonSetPodReady(t, n, "istio-system", "app=ztunnel")
+	ips := map[string]string{}
+	for _, ref := range []string{"plain/app", "amb/app", "amb/during"} {
+		ns, name, _ := strings.Cut(ref, "/")
+		n.WaitFor(ref+" running again after the reboot", 120*time.Second, func() bool {
+			p, err := n.Client.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
+			if err != nil || !podReady(p) || len(p.Status.ContainerStatuses) == 0 || p.Status.ContainerStatuses[0].ContainerID == ids[ref] {
+				return false
+			}
+			for _, s := range p.Status.InitContainerStatuses {
+				if lt := s.LastTerminationState.Terminated; lt != nil && lt.ExitCode != 0 {
+					t.Fatalf("%s's capture proof failed after the reboot (it ran un-captured): %+v", ref, lt)
+				}
+			}
+			ips[ref] = p.Status.PodIP
+			return true
+		})
+	}
+	plain, amb = ips["plain/app"], ips["amb/app"]
+	for _, ref := range []string{"amb/app", "amb/during"} {
+		if !capturedOut(ips[ref]) {
+			t.Errorf("%s is not captured after the reboot", ref)
+		}
+	}
+	if got := ask(plain, "/dial?addr="+plain+":8081"); got != "app:8081" {
+		t.Errorf("after the reboot the plain pod's outbound: %q, want app:8081", got)
+	}
+	// One record per pod sandbox the plugin saw since the boot (every pod
+	// outside the excluded kube-system), none left from before it.
+	all, err := n.Client.CoreV1().Pods("").List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := 0
+	for _, p := range all.Items {
+		if p.Namespace != "kube-system" {
+			want++
+		}
+	}
+	if recs, _ := n.Run("sh", "-c", "ls /var/run/nftcni/pods | wc -l"); strings.TrimSpace(recs) != strconv.Itoa(want) {
+		t.Errorf("pod records after the reboot: %s, want %d (one per pod outside kube-system)", recs, want)
+	}
+
+	// Deleting the pod sends ZDS Del and leaves no rules, records or probe
+	// entries.
+	if err := n.Client.CoreV1().Pods("amb").Delete(ctx, "app", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	n.WaitFor("amb/app gone, its DelWorkload sent and its state removed", 60*time.Second, func() bool {
+		if _, err := n.Client.CoreV1().Pods("amb").Get(ctx, "app", metav1.GetOptions{}); err == nil {
+			return false
+		}
+		logs, _ := n.Run("sh", "-c", "cat /var/log/pods/istio-system_ztunnel-*/*/*.log "+n.Dir+"/podlogs/istio-system_ztunnel-*/*/*.log 2>/dev/null")
+		recs, _ := n.Run("sh", "-c", "cat /var/run/nftcni/pods/* 2>/dev/null")
+		probes, _ := n.Run("nft", "list", "set", "inet", "nftcni-host", "probe-v4")
+		return strings.Contains(logs, "DelWorkload") && !strings.Contains(recs, ambUID) && !strings.Contains(probes, amb)
+	})
+
 	// helm uninstall removes the conflist entry, the binary and the host table.
 	if out, err := n.Helm("uninstall", "nftcni", "--namespace", "kube-system", "--wait", "--timeout", "120s"); err != nil {
 		t.Fatalf("helm uninstall: %v\n%s", err, out)
 	}
 	n.WaitFor("the agent's clean-up on uninstall", 60*time.Second, func() bool {
-		conf, _ := os.ReadFile(filepath.Join(n.ConfDir, nodetest.ConfFile))
+		_, ownedErr := os.Stat(owned)
 		_, binErr := os.Stat(filepath.Join(n.BinDir, "nftcni"))
 		tables, _ := n.Run("nft", "list", "tables")
-		return !strings.Contains(string(conf), `"nftcni"`) && os.IsNotExist(binErr) && !strings.Contains(tables, "nftcni-host")
+		return os.IsNotExist(ownedErr) && os.IsNotExist(binErr) && !strings.Contains(tables, "nftcni-host")
 	})
 }
 
@@ -176,14 +296,14 @@ func mkNamespace(t *testing.T, n *nodetest.Node, name string, labels map[string]
 // runApp runs the workload with kubelet's httpGet probes; with proof, an
 // init container that fails unless its connection is captured. It returns
 // the pod's IP once Ready.
-func runApp(t *testing.T, n *nodetest.Node, ns, name string, proof bool) string {
+func runApp(t *testing.T, n *nodetest.Node, ns, name string, proof bool, env ...corev1.EnvVar) string {
 	t.Helper()
 	probe := &corev1.Probe{ProbeHandler: corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/healthz", Port: intstr.FromInt(8080)}},
 		PeriodSeconds: 1, FailureThreshold: 3}
 	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns}, Spec: corev1.PodSpec{
 		NodeName: nodetest.NodeName,
 		Containers: []corev1.Container{{Name: "app", Image: appImage, ImagePullPolicy: corev1.PullNever,
-			ReadinessProbe: probe, LivenessProbe: probe}},
+			ReadinessProbe: probe, LivenessProbe: probe, Env: env}},
 	}}
 	if proof {
 		// The bridge's address, where nothing listens: only capture makes
@@ -265,3 +385,36 @@ func deployZtunnel(t *testing.T, n *nodetest.Node) {
 }
 
 func ptr[T any](v T) *T { return &v }
+
+// containerID is the current container of pod ns/name's app.
+func containerID(t *testing.T, n *nodetest.Node, ref string) string {
+	t.Helper()
+	ns, name, _ := strings.Cut(ref, "/")
+	p, err := n.Client.CoreV1().Pods(ns).Get(context.Background(), name, metav1.GetOptions{})
+	if err != nil || len(p.Status.ContainerStatuses) == 0 {
+		t.Fatalf("pod %s: %v", ref, err)
+	}
+	return p.Status.ContainerStatuses[0].ContainerID
+}
+
+func labelNamespace(t *testing.T, n *nodetest.Node, ns, patch string) {
+	t.Helper()
+	if _, err := n.Client.CoreV1().Namespaces().Patch(context.Background(), ns, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// loopStats parses nodeapp's /loop answer.
+func loopStats(t *testing.T, s string) map[string]int {
+	t.Helper()
+	out := map[string]int{}
+	for _, f := range strings.Fields(s) {
+		k, v, ok := strings.Cut(f, "=")
+		n, err := strconv.Atoi(v)
+		if !ok || err != nil {
+			t.Fatalf("connection loop stats %q", s)
+		}
+		out[k] = n
+	}
+	return out
+}

@@ -318,13 +318,18 @@ func (c *call) askLean(b []byte, fd *os.File, kind, want wire.Kind) (*wire.Reply
 	return r, nil
 }
 
+// errNoSnapshot: no agent has written a policy snapshot since the run dir
+// was made. The run dir is on /run, a tmpfs, so that is every boot: our
+// entry is in the conflist (someone installed us) but nothing says which
+// pods are meshed, and letting them through would start them un-captured.
+var errNoSnapshot = errors.New("no policy snapshot: no nftcni agent has run since the node booted")
+
 // wouldEnrol answers from the agent's policy snapshot whether the agent
-// would enrol pod. No snapshot means no agent ever ran with this run dir,
-// so nothing is enrolled.
+// would enrol pod.
 func (c *call) wouldEnrol(pod *wire.Pod) (bool, string, error) {
 	pol, err := wire.ReadPolicy(c.conf.PolicyPath())
 	if errors.Is(err, os.ErrNotExist) {
-		return false, "no policy snapshot at " + c.conf.PolicyPath(), nil
+		return false, "", fmt.Errorf("%w (%s)", errNoSnapshot, c.conf.PolicyPath())
 	}
 	if err != nil {
 		return false, "", err
@@ -343,6 +348,11 @@ func (c *call) agentDown(pod *wire.Pod, cause error, stdout io.Writer) error {
 				pod.Key(), why, sock, cause), "")
 	}
 	enrol, why, err := c.wouldEnrol(pod)
+	if errors.Is(err, errNoSnapshot) {
+		return types.NewError(types.ErrTryAgainLater,
+			fmt.Sprintf("nftcni: pod %s: the nftcni agent at %s cannot be reached (%v) and %v; the pod waits for the agent rather than start outside the mesh, and the runtime will retry",
+				pod.Key(), sock, cause, err), "")
+	}
 	if err != nil {
 		return types.NewError(types.ErrTryAgainLater,
 			fmt.Sprintf("nftcni: pod %s: the nftcni agent at %s cannot be reached (%v) and its policy snapshot is unreadable (%v)", pod.Key(), sock, cause, err), "")

@@ -56,6 +56,8 @@ const (
 	apiPort     = 6443
 	etcdPort    = 2379
 	etcdPeerPrt = 2380
+	// containerdSock is inside the node's mount namespace.
+	containerdSock = "/run/containerd/containerd.sock"
 )
 
 // Node is a running one-node cluster.
@@ -234,11 +236,13 @@ touch $N/init.ready
 trap 'exit 0' TERM
 while :; do sleep 3600 & wait $! || true; done
 `, d, NodeIP, ServiceIP, apiPort))
-	sock := filepath.Join(d, "containerd/containerd.sock")
+	// Socket, state and runc's root on the node's /run, a tmpfs: a reboot
+	// starts them empty, as on a real node.
+	sock := containerdSock
 	if n.Gen.V2 {
 		n.write("containerd/config.toml", fmt.Sprintf(`version = 4
 root = "%[1]s/containerd/root2"
-state = "%[1]s/containerd/state2"
+state = "/run/containerd/state2"
 disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs", "io.containerd.tracing.processor.v1.otlp"]
 [plugins.'io.containerd.server.v1.grpc']
   address = "%[2]s"
@@ -266,12 +270,12 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
       runtime_type = "io.containerd.runc.v2"
       [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
         SystemdCgroup = false
-        Root = "%[1]s/containerd/runc2"
+        Root = "/run/containerd/runc2"
 `, d, sock, containerdtest.PauseImage, n.BinDir, n.ConfDir))
 	} else {
 		n.write("containerd/config.toml", fmt.Sprintf(`version = 2
 root = "%[1]s/containerd/root"
-state = "%[1]s/containerd/state"
+state = "/run/containerd/state"
 disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs", "io.containerd.tracing.processor.v1.otlp"]
 [grpc]
   address = "%[2]s"
@@ -296,7 +300,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
       runtime_type = "io.containerd.runc.v2"
       [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
         SystemdCgroup = false
-        Root = "%[1]s/containerd/runc"
+        Root = "/run/containerd/runc"
 `, d, sock, containerdtest.PauseImage, n.BinDir, n.ConfDir))
 	}
 	n.write("kubelet-config.yaml", fmt.Sprintf(`apiVersion: kubelet.config.k8s.io/v1beta1
@@ -375,7 +379,7 @@ func (n *Node) startServices() {
 	env := []string{"PATH=" + n.Gen.Dir + ":" + os.Getenv("PATH")}
 	n.Service("containerd", env, filepath.Join(n.Gen.Dir, "containerd"), "--config", filepath.Join(d, "containerd/config.toml"))
 	n.waitFor("containerd's socket", 30*time.Second, func() bool {
-		_, err := os.Stat(filepath.Join(d, "containerd/containerd.sock"))
+		_, err := n.Run(filepath.Join(n.Gen.Dir, "ctr"), "-a", containerdSock, "version")
 		return err == nil
 	})
 	n.importImage("pause", mustPause(t))
@@ -469,7 +473,7 @@ func (n *Node) importImage(name string, archive []byte) {
 	if err := os.WriteFile(p, archive, 0o644); err != nil {
 		n.t.Fatal(err)
 	}
-	if out, err := n.Run(filepath.Join(n.Gen.Dir, "ctr"), "-a", filepath.Join(n.Dir, "containerd/containerd.sock"), "-n", "k8s.io", "images", "import", "--all-platforms", p); err != nil {
+	if out, err := n.Run(filepath.Join(n.Gen.Dir, "ctr"), "-a", containerdSock, "-n", "k8s.io", "images", "import", "--all-platforms", p); err != nil {
 		n.t.Fatalf("ctr images import %s: %v\n%s", name, err, out)
 	}
 }

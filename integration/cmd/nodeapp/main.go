@@ -7,6 +7,10 @@
 //	nodeapp check H:P  an init container's proof: exit 0 only if a
 //	                connection to H:P lands on ztunnel's outbound port
 //
+// With LOOP=H:P, serve also connects to H:P every 20 ms and /loop reports
+// "captured=N escaped=N failed=N": greeted by ztunnel, by the real server,
+// or not at all.
+//
 // ztunnel's stand-in greets every connection with "ztunnel:<port> …".
 package main
 
@@ -18,6 +22,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -36,6 +41,25 @@ func main() {
 		os.Exit(2)
 	}
 	go banner()
+	var captured, escaped, failed atomic.Int64
+	if addr := os.Getenv("LOOP"); addr != "" {
+		go func() {
+			for ; ; time.Sleep(20 * time.Millisecond) {
+				line, _ := firstLine(addr)
+				switch {
+				case strings.HasPrefix(line, "ztunnel:"):
+					captured.Add(1)
+				case line != "":
+					escaped.Add(1)
+				default:
+					failed.Add(1)
+				}
+			}
+		}()
+	}
+	http.HandleFunc("/loop", func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprintf(w, "captured=%d escaped=%d failed=%d", captured.Load(), escaped.Load(), failed.Load())
+	})
 	var mu sync.Mutex
 	lastProbe := ""
 	http.HandleFunc("/healthz", func(w http.ResponseWriter, r *http.Request) {
