@@ -50,7 +50,7 @@ image: build
 	SOURCE_DATE_EPOCH=$$(git log -1 --format=%ct 2>/dev/null || echo 0) $(GO) run ./hack/mkimage -bin $(BIN) -tag $(IMAGE) -out $(BIN)/nftcni-image.oci.tar
 
 test: deps build cni-plugins k8s-bins containerd-bins helm
-	NFTCNI_REQUIRE_CRI=1 $(GO) test -count=1 ./...
+	NFTCNI_REQUIRE_CRI=1 $(GO) test -count=1 -timeout 45m ./...
 
 # Debian packages the tests use, installed when missing (root only).
 deps:

@@ -7,6 +7,7 @@ package integration
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"os"
@@ -23,6 +24,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 
 	"github.com/nftcni/nftcni/agent/install"
+	"github.com/nftcni/nftcni/agent/records"
 	"github.com/nftcni/nftcni/integration/containerdtest"
 	"github.com/nftcni/nftcni/integration/nodetest"
 	"github.com/nftcni/nftcni/internal/ociimage"
@@ -81,6 +83,19 @@ func testNode(t *testing.T, gen containerdtest.Generation) {
 	for name, archive := range nodeImages(t) {
 		n.Import(name, archive)
 	}
+	// A new node carries Istio's not-ready taint (as kubelet
+	// --register-with-taints sets it): the real scheduler must place the
+	// agent on it, and nothing else until the agent removes it.
+	taint := `{"spec":{"taints":[{"key":"cni.istio.io/not-ready","effect":"NoSchedule"}]}}`
+	if _, err := n.Client.CoreV1().Nodes().Patch(ctx, nodetest.NodeName, types.MergePatchType, []byte(taint), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	mkNamespace(t, n, "plain", nil)
+	gated := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "gated", Namespace: "plain"}, Spec: corev1.PodSpec{
+		Containers: []corev1.Container{{Name: "app", Image: appImage, ImagePullPolicy: corev1.PullNever}}}}
+	if _, err := n.Client.CoreV1().Pods("plain").Create(ctx, gated, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
 	chart, _ := filepath.Abs("../deploy/charts/nftcni")
 	values := []string{"--set", "hub=localhost/nftcni", "--set", "tag=" + nodeImageTag, "--set", "pullPolicy=Never",
 		"--set", "cniBinDir=" + n.BinDir, "--set", "cniConfDir=" + n.ConfDir}
@@ -103,11 +118,35 @@ func testNode(t *testing.T, gen containerdtest.Generation) {
 		t.Errorf("the primary's conflist changed:\n%s", primary)
 	}
 
+	// Still tainted: the gate waits for a ztunnel with its snapshot acked.
+	if p, _ := n.Client.CoreV1().Pods("plain").Get(ctx, "gated", metav1.GetOptions{}); p == nil || p.Spec.NodeName != "" {
+		t.Errorf("a pod was scheduled onto the node before ztunnel connected")
+	}
 	deployZtunnel(t, n)
 	waitDaemonSetPodReady(t, n, "istio-system", "app=ztunnel")
+	n.WaitFor("the readiness gate: taint removed, condition nftcni.io/NetworkReady True", 60*time.Second, func() bool {
+		node, err := n.Client.CoreV1().Nodes().Get(ctx, nodetest.NodeName, metav1.GetOptions{})
+		if err != nil {
+			return false
+		}
+		for _, tn := range node.Spec.Taints {
+			if tn.Key == "cni.istio.io/not-ready" {
+				return false
+			}
+		}
+		for _, c := range node.Status.Conditions {
+			if c.Type == "nftcni.io/NetworkReady" {
+				return c.Status == corev1.ConditionTrue
+			}
+		}
+		return false
+	})
+	n.WaitFor("the gated pod scheduled once the taint is gone", 60*time.Second, func() bool {
+		p, err := n.Client.CoreV1().Pods("plain").Get(ctx, "gated", metav1.GetOptions{})
+		return err == nil && p.Spec.NodeName == nodetest.NodeName
+	})
 
 	mkNamespace(t, n, "amb", map[string]string{"istio.io/dataplane-mode": "ambient"})
-	mkNamespace(t, n, "plain", nil)
 	plain := runApp(t, n, "plain", "app", false)
 	amb := runApp(t, n, "amb", "app", true, corev1.EnvVar{Name: "LOOP", Value: plain + ":8081"})
 	pod, err := n.Client.CoreV1().Pods("amb").Get(ctx, "app", metav1.GetOptions{})
@@ -238,20 +277,39 @@ func testNode(t *testing.T, gen containerdtest.Generation) {
 	if got := ask(plain, "/dial?addr="+plain+":8081"); got != "app:8081" {
 		t.Errorf("after the reboot the plain pod's outbound: %q, want app:8081", got)
 	}
-	// One record per pod sandbox the plugin saw since the boot (every pod
-	// outside the excluded kube-system), none left from before it.
+	// No record is left from before the reboot: one per pod at most, each
+	// naming a pod that exists, both ambient pods among them.
 	all, err := n.Client.CoreV1().Pods("").List(ctx, metav1.ListOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := 0
+	live := map[string]string{}
 	for _, p := range all.Items {
-		if p.Namespace != "kube-system" {
-			want++
-		}
+		live[string(p.UID)] = p.Namespace + "/" + p.Name
 	}
-	if recs, _ := n.Run("sh", "-c", "ls /var/run/nftcni/pods | wc -l"); strings.TrimSpace(recs) != strconv.Itoa(want) {
-		t.Errorf("pod records after the reboot: %s, want %d (one per pod outside kube-system)", recs, want)
+	out, err := n.Run("sh", "-c", "for f in /var/run/nftcni/pods/*.json; do cat $f; echo; done")
+	if err != nil {
+		t.Fatalf("reading the agent's records: %v\n%s", err, out)
+	}
+	seen := map[string]bool{}
+	for _, line := range strings.Split(strings.TrimSpace(out), "\n") {
+		var r records.Record
+		if err := json.Unmarshal([]byte(line), &r); err != nil {
+			t.Fatalf("record %q: %v", line, err)
+		}
+		if live[r.UID] == "" || seen[r.UID] {
+			t.Errorf("stale record after the reboot: %s", line)
+		}
+		seen[r.UID] = true
+	}
+	for _, ref := range []string{"amb/app", "amb/during"} {
+		found := false
+		for uid := range seen {
+			found = found || live[uid] == ref
+		}
+		if !found {
+			t.Errorf("no record of %s after the reboot", ref)
+		}
 	}
 
 	// Deleting the pod sends ZDS Del and leaves no rules, records or probe
@@ -371,6 +429,8 @@ func deployZtunnel(t *testing.T, n *nodetest.Node) {
 	ds := &appsv1.DaemonSet{ObjectMeta: metav1.ObjectMeta{Name: "ztunnel", Namespace: "istio-system"}, Spec: appsv1.DaemonSetSpec{
 		Selector: &metav1.LabelSelector{MatchLabels: labels},
 		Template: corev1.PodTemplateSpec{ObjectMeta: metav1.ObjectMeta{Labels: labels}, Spec: corev1.PodSpec{
+			// As ztunnel's chart: it runs on every node, tainted or not.
+			Tolerations: []corev1.Toleration{{Operator: corev1.TolerationOpExists}},
 			Containers: []corev1.Container{{Name: "istio-proxy", Image: ztunnelImage, ImagePullPolicy: corev1.PullNever,
 				Args:            []string{"/var/run/ztunnel/ztunnel.sock"},
 				SecurityContext: &corev1.SecurityContext{Privileged: &priv},
