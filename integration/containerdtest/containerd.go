@@ -125,7 +125,8 @@ func Start(t testing.TB, gen Generation, o Options) *Containerd {
 	t.Cleanup(func() { c.cleanup(ownRun) })
 
 	cfg := filepath.Join(dir, "config.toml")
-	if err := os.WriteFile(cfg, []byte(c.config(o)), 0o600); err != nil {
+	if err := os.WriteFile(cfg, []byte(Config(gen, Paths{Root: filepath.Join(dir, "root"), State: filepath.Join(dir, "state"),
+		Sock: c.Sock, RuncRoot: filepath.Join(dir, "runc"), BinDir: o.BinDir, ConfDir: o.ConfDir})), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	logf, err := os.Create(filepath.Join(dir, "containerd.log"))
@@ -154,12 +155,19 @@ func Start(t testing.TB, gen Generation, o Options) *Containerd {
 	return c
 }
 
-// config writes containerd's config: everything under c.Dir, cgroupfs
-// (no systemd here), and restrict_oom_score_adj, without which runc cannot
-// start a sandbox on this machine (root lacks CAP_SYS_RESOURCE).
-func (c *Containerd) config(o Options) string {
+// Paths are where a containerd keeps its files and where its CNI is.
+type Paths struct {
+	Root, State, Sock, RuncRoot string
+	BinDir, ConfDir             string
+}
+
+// Config is containerd's config for gen: cgroupfs (no systemd here), no
+// snapshotters but overlayfs, and restrict_oom_score_adj, without which
+// runc cannot start a sandbox on this machine (root lacks CAP_SYS_RESOURCE).
+func Config(gen Generation, p Paths) string {
 	disabled := `["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs", "io.containerd.tracing.processor.v1.otlp"]`
-	if c.Gen.V2 {
+	opt := filepath.Join(p.Root, "opt")
+	if gen.V2 {
 		return fmt.Sprintf(`version = 4
 root = %[1]q
 state = %[2]q
@@ -192,8 +200,7 @@ disabled_plugins = %[3]s
       [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
         SystemdCgroup = false
         Root = %[10]q
-`, filepath.Join(c.Dir, "root"), filepath.Join(c.Dir, "state"), disabled, c.Sock, c.Sock+".ttrpc",
-			filepath.Join(c.Dir, "root", "opt"), PauseImage, o.BinDir, o.ConfDir, filepath.Join(c.Dir, "runc"))
+`, p.Root, p.State, disabled, p.Sock, p.Sock+".ttrpc", opt, PauseImage, p.BinDir, p.ConfDir, p.RuncRoot)
 	}
 	return fmt.Sprintf(`version = 2
 root = %[1]q
@@ -223,8 +230,7 @@ disabled_plugins = %[3]s
       [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
         SystemdCgroup = false
         Root = %[10]q
-`, filepath.Join(c.Dir, "root"), filepath.Join(c.Dir, "state"), disabled, c.Sock, c.Sock+".ttrpc",
-		filepath.Join(c.Dir, "root", "opt"), PauseImage, o.BinDir, o.ConfDir, filepath.Join(c.Dir, "runc"))
+`, p.Root, p.State, disabled, p.Sock, p.Sock+".ttrpc", opt, PauseImage, p.BinDir, p.ConfDir, p.RuncRoot)
 }
 
 func (c *Containerd) waitReady(limit time.Duration) error {

@@ -238,71 +238,13 @@ while :; do sleep 3600 & wait $! || true; done
 `, d, NodeIP, ServiceIP, apiPort))
 	// Socket, state and runc's root on the node's /run, a tmpfs: a reboot
 	// starts them empty, as on a real node.
-	sock := containerdSock
+	gen := "1"
 	if n.Gen.V2 {
-		n.write("containerd/config.toml", fmt.Sprintf(`version = 4
-root = "%[1]s/containerd/root2"
-state = "/run/containerd/state2"
-disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs", "io.containerd.tracing.processor.v1.otlp"]
-[plugins.'io.containerd.server.v1.grpc']
-  address = "%[2]s"
-[plugins.'io.containerd.server.v1.ttrpc']
-  address = "%[2]s.ttrpc"
-[plugins.'io.containerd.internal.v1.opt']
-  path = "%[1]s/containerd/root2/opt"
-[plugins.'io.containerd.grpc.v1.cri']
-  stream_server_address = "127.0.0.1"
-  stream_server_port = "0"
-[plugins.'io.containerd.cri.v1.images']
-  snapshotter = "overlayfs"
-  [plugins.'io.containerd.cri.v1.images'.pinned_images]
-    sandbox = "%[3]s"
-[plugins.'io.containerd.cri.v1.runtime']
-  disable_apparmor = true
-  restrict_oom_score_adj = true
-  [plugins.'io.containerd.cri.v1.runtime'.cni]
-    bin_dirs = ["%[4]s"]
-    conf_dir = "%[5]s"
-    max_conf_num = 1
-  [plugins.'io.containerd.cri.v1.runtime'.containerd]
-    default_runtime_name = "runc"
-    [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-      [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
-        SystemdCgroup = false
-        Root = "/run/containerd/runc2"
-`, d, sock, containerdtest.PauseImage, n.BinDir, n.ConfDir))
-	} else {
-		n.write("containerd/config.toml", fmt.Sprintf(`version = 2
-root = "%[1]s/containerd/root"
-state = "/run/containerd/state"
-disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs", "io.containerd.tracing.processor.v1.otlp"]
-[grpc]
-  address = "%[2]s"
-[ttrpc]
-  address = "%[2]s.ttrpc"
-[plugins."io.containerd.internal.v1.opt"]
-  path = "%[1]s/containerd/root/opt"
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "%[3]s"
-  stream_server_address = "127.0.0.1"
-  stream_server_port = "0"
-  disable_apparmor = true
-  restrict_oom_score_adj = true
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "%[4]s"
-    conf_dir = "%[5]s"
-    max_conf_num = 1
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "overlayfs"
-    default_runtime_name = "runc"
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
-        SystemdCgroup = false
-        Root = "/run/containerd/runc"
-`, d, sock, containerdtest.PauseImage, n.BinDir, n.ConfDir))
+		gen = "2"
 	}
+	n.write("containerd/config.toml", containerdtest.Config(n.Gen, containerdtest.Paths{
+		Root: filepath.Join(d, "containerd/root"+gen), State: "/run/containerd/state" + gen, Sock: containerdSock,
+		RuncRoot: "/run/containerd/runc" + gen, BinDir: n.BinDir, ConfDir: n.ConfDir}))
 	n.write("kubelet-config.yaml", fmt.Sprintf(`apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
 failCgroupV1: false
@@ -332,7 +274,7 @@ resolvConf: /etc/resolv.conf
 syncFrequency: 10s
 fileCheckFrequency: 10s
 nodeStatusUpdateFrequency: 5s
-`, d, n.cgroup, sock))
+`, d, n.cgroup, containerdSock))
 }
 
 // boot starts the node's init and every service, as a machine boots.
@@ -350,10 +292,7 @@ func (n *Node) boot() {
 		}
 	}
 	_ = os.Remove(filepath.Join(n.Dir, "init.ready"))
-	log, err := os.OpenFile(filepath.Join(n.Dir, "logs/init.log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
-	if err != nil {
-		t.Fatal(err)
-	}
+	log := n.openLog("init")
 	n.init = exec.Command("unshare", "--net", "--mount", "--pid", "--fork", "--mount-proc", "--propagation", "private", "bash", filepath.Join(n.Dir, "init.sh"))
 	n.init.Stdout, n.init.Stderr = log, log
 	n.init.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
@@ -366,10 +305,11 @@ func (n *Node) boot() {
 		return err == nil
 	})
 	b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", n.init.Process.Pid, n.init.Process.Pid))
-	n.pid, err = strconv.Atoi(strings.TrimSpace(string(b)))
+	pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
 	if err != nil {
 		t.Fatalf("the node's init pid: %q", b)
 	}
+	n.pid = pid
 	n.startServices()
 }
 
@@ -440,10 +380,7 @@ func mustPause(t testing.TB) []byte {
 // Service starts a long-running process inside the node, logging to
 // logs/NAME.log; it dies with the node.
 func (n *Node) Service(name string, env []string, bin string, args ...string) {
-	log, err := os.OpenFile(filepath.Join(n.Dir, "logs", name+".log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
-	if err != nil {
-		n.t.Fatal(err)
-	}
+	log := n.openLog(name)
 	defer log.Close()
 	cmd := n.Command(bin, args...)
 	cmd.Env = append(os.Environ(), env...)
@@ -455,6 +392,20 @@ func (n *Node) Service(name string, env []string, bin string, args ...string) {
 	go func() { _ = cmd.Wait() }()
 	n.services = append(n.services, name)
 }
+
+// openLog opens logs/NAME.log for appending: a reboot keeps what was
+// logged before it.
+func (n *Node) openLog(name string) *os.File {
+	f, err := os.OpenFile(filepath.Join(n.Dir, "logs", name+".log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	return f
+}
+
+// Path is p inside the node's mount namespace, as the test opens it
+// (through the node init's root): the node's /run is its own tmpfs.
+func (n *Node) Path(p string) string { return fmt.Sprintf("/proc/%d/root%s", n.pid, p) }
 
 // Command is bin run inside the node's namespaces, in the node's dir.
 func (n *Node) Command(bin string, args ...string) *exec.Cmd {
