@@ -17,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -25,6 +26,7 @@ import (
 
 	"github.com/nftcni/nftcni/agent/install"
 	"github.com/nftcni/nftcni/agent/records"
+	"github.com/nftcni/nftcni/agent/runlock"
 	"github.com/nftcni/nftcni/integration/containerdtest"
 	"github.com/nftcni/nftcni/integration/nodetest"
 	"github.com/nftcni/nftcni/internal/ociimage"
@@ -207,18 +209,29 @@ func testNode(t *testing.T, gen containerdtest.Generation) {
 	})
 
 	// A rolling restart of the agent while the ambient pod's connection
-	// loop runs: nothing escapes; a pod created meanwhile waits, then
-	// starts captured (its proof would fail otherwise).
+	// loop runs: nothing escapes. A pod created while no agent runs waits
+	// (its sandbox fails closed), then starts captured (its proof would
+	// fail otherwise). The gap between the old agent's exit and the new
+	// one's start is short, so the test holds it open: it takes the run
+	// dir's lock the moment the old agent drops it, and the new agent exits
+	// naming the holder until the test lets go.
 	before := loopStats(t, ask(amb, "/loop"))
+	gap := holdRunDirLock(t, n)
 	restartedAt := fmt.Sprintf(`{"spec":{"template":{"metadata":{"annotations":{"kubectl.kubernetes.io/restartedAt":%q}}}}}`, time.Now().Format(time.RFC3339))
 	if _, err := n.Client.AppsV1().DaemonSets("kube-system").Patch(ctx, "nftcni-node", types.StrategicMergePatchType, []byte(restartedAt), metav1.PatchOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	during := runApp(t, n, "amb", "during", true)
+	gap.wait(t, 90*time.Second)
+	createApp(t, n, "amb", "during", true)
+	n.WaitFor("the pod created while no agent runs to fail closed", 60*time.Second, func() bool {
+		return sandboxFailure(n, "amb", "during", "will not start un-captured")
+	})
+	gap.release()
 	n.WaitFor("the restarted agent pod", 90*time.Second, func() bool {
 		p := daemonSetPodReady(n, "kube-system", "k8s-app=nftcni-node")
 		return p != "" && p != agent
 	})
+	during := waitApp(t, n, "amb", "during", true)
 	agent = daemonSetPodReady(n, "kube-system", "k8s-app=nftcni-node")
 	if !capturedOut(during) {
 		t.Error("the pod created during the agent's restart is not captured")
@@ -229,6 +242,12 @@ func testNode(t *testing.T, gen containerdtest.Generation) {
 	}
 	t.Logf("connection loop across the agent's rolling restart: %v -> %v", before, after)
 
+	// The agent's label is the DaemonSet's selector: an upgrade that would
+	// change it is refused by the chart, with the reason, and changes nothing.
+	if out, err := n.Helm(append([]string{"upgrade", "nftcni", chart, "--namespace", "kube-system", "--set", "readiness.istiodLabel=true"}, values...)...); err == nil ||
+		!strings.Contains(out, "a selector cannot change") {
+		t.Errorf("helm upgrade flipping readiness.istiodLabel: err %v, want the chart's refusal naming the selector:\n%s", err, out)
+	}
 	// helm upgrade with a changed value keeps every pod enrolled.
 	if out, err := n.Helm(append([]string{"upgrade", "nftcni", chart, "--namespace", "kube-system", "--wait", "--timeout", "120s", "--set", "logging.level=debug"}, values...)...); err != nil {
 		t.Fatalf("helm upgrade: %v\n%s", err, out)
@@ -292,6 +311,7 @@ func testNode(t *testing.T, gen containerdtest.Generation) {
 		t.Fatalf("reading the agent's records: %v\n%s", err, out)
 	}
 	seen := map[string]bool{}
+	var recs []records.Record
 	for _, line := range strings.Split(strings.TrimSpace(out), "\n") {
 		var r records.Record
 		if err := json.Unmarshal([]byte(line), &r); err != nil {
@@ -301,7 +321,9 @@ func testNode(t *testing.T, gen containerdtest.Generation) {
 			t.Errorf("stale record after the reboot: %s", line)
 		}
 		seen[r.UID] = true
+		recs = append(recs, r)
 	}
+	checkAgentNetnsFds(t, n, recs)
 	for _, ref := range []string{"amb/app", "amb/during"} {
 		found := false
 		for uid := range seen {
@@ -351,10 +373,16 @@ func mkNamespace(t *testing.T, n *nodetest.Node, name string, labels map[string]
 	})
 }
 
-// runApp runs the workload with kubelet's httpGet probes; with proof, an
-// init container that fails unless its connection is captured. It returns
-// the pod's IP once Ready.
+// runApp runs the workload (createApp) and returns its IP once Ready.
 func runApp(t *testing.T, n *nodetest.Node, ns, name string, proof bool, env ...corev1.EnvVar) string {
+	t.Helper()
+	createApp(t, n, ns, name, proof, env...)
+	return waitApp(t, n, ns, name, proof)
+}
+
+// createApp creates the workload with kubelet's httpGet probes; with proof,
+// an init container that fails unless its connection is captured.
+func createApp(t *testing.T, n *nodetest.Node, ns, name string, proof bool, env ...corev1.EnvVar) {
 	t.Helper()
 	probe := &corev1.Probe{ProbeHandler: corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/healthz", Port: intstr.FromInt(8080)}},
 		PeriodSeconds: 1, FailureThreshold: 3}
@@ -372,6 +400,12 @@ func runApp(t *testing.T, n *nodetest.Node, ns, name string, proof bool, env ...
 	if _, err := n.Client.CoreV1().Pods(ns).Create(context.Background(), pod, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// waitApp returns the pod's IP once Ready, failing if its capture proof
+// ever ran un-captured.
+func waitApp(t *testing.T, n *nodetest.Node, ns, name string, proof bool) string {
+	t.Helper()
 	var ip string
 	n.WaitFor("pod "+ns+"/"+name+" Ready", 120*time.Second, func() bool {
 		p, err := n.Client.CoreV1().Pods(ns).Get(context.Background(), name, metav1.GetOptions{})
@@ -386,6 +420,85 @@ func runApp(t *testing.T, n *nodetest.Node, ns, name string, proof bool, env ...
 	})
 	return ip
 }
+
+// sandboxFailure reports whether kubelet recorded a failed sandbox start
+// for pod ns/name whose message contains want.
+func sandboxFailure(n *nodetest.Node, ns, name, want string) bool {
+	evs, err := n.Client.CoreV1().Events(ns).List(context.Background(), metav1.ListOptions{FieldSelector: "involvedObject.name=" + name})
+	if err != nil {
+		return false
+	}
+	for _, e := range evs.Items {
+		if e.Reason == "FailedCreatePodSandBox" && strings.Contains(e.Message, want) {
+			return true
+		}
+	}
+	return false
+}
+
+// checkAgentNetnsFds checks that the agent holds exactly one fd to each
+// recorded pod's netns and none to any other netns but the node's own: a
+// netns kept from before the reboot would show as an unknown inode.
+func checkAgentNetnsFds(t *testing.T, n *nodetest.Node, recs []records.Record) {
+	t.Helper()
+	out, err := n.Run("sh", "-c", `readlink /proc/1/ns/net; for f in /proc/$(pgrep -x nftcni-agent)/fd/*; do readlink $f; done`)
+	if err != nil {
+		t.Fatalf("listing the agent's fds: %v\n%s", err, out)
+	}
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	node, held := lines[0], map[string]int{}
+	for _, l := range lines[1:] {
+		if strings.HasPrefix(l, "net:[") && l != node {
+			held[l]++
+		}
+	}
+	for _, r := range recs {
+		ino := fmt.Sprintf("net:[%d]", r.NetnsIno)
+		if held[ino] != 1 {
+			t.Errorf("the agent holds %d fds to %s's netns %s, want 1", held[ino], r.Pod.Key(), ino)
+		}
+		delete(held, ino)
+	}
+	if len(held) > 0 {
+		t.Errorf("the agent holds netns fds no record names (kept from before the reboot?): %v", held)
+	}
+}
+
+// runDirLock is the agent's run dir lock, taken by the test to keep the
+// agent from starting.
+type runDirLock struct {
+	f    *os.File
+	held chan error
+}
+
+// holdRunDirLock starts waiting for the agent's run dir lock; it is taken
+// as soon as the running agent drops it.
+func holdRunDirLock(t *testing.T, n *nodetest.Node) *runDirLock {
+	t.Helper()
+	f, err := os.OpenFile(n.Path("/run/nftcni/"+runlock.Name), os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := &runDirLock{f: f, held: make(chan error, 1)}
+	t.Cleanup(l.release)
+	go func() { l.held <- unix.Flock(int(f.Fd()), unix.LOCK_EX) }()
+	return l
+}
+
+func (l *runDirLock) wait(t *testing.T, limit time.Duration) {
+	t.Helper()
+	select {
+	case err := <-l.held:
+		if err != nil {
+			t.Fatalf("taking the agent's run dir lock: %v", err)
+		}
+	case <-time.After(limit):
+		t.Fatalf("the agent did not drop its run dir lock within %v", limit)
+	}
+}
+
+// release lets the agent start; closing the file drops the lock.
+func (l *runDirLock) release() { l.f.Close() }
 
 func podReady(p *corev1.Pod) bool {
 	for _, c := range p.Status.Conditions {
