@@ -139,6 +139,35 @@ func TestHelmChartAcceptedByAPIServer(t *testing.T) {
 	}
 }
 
+// readiness.istiodLabel gives the agent's pods istio-cni's k8s-app label,
+// which istiod's untaint controller looks for, in every place that selects
+// them: the DaemonSet's selector and template, and the NetworkPolicy. The
+// refusal to change it on upgrade is in TestNode (it needs a live release).
+func TestIstiodLabel(t *testing.T) {
+	for _, c := range []struct{ set, want string }{{"readiness.istiodLabel=false", "nftcni-node"}, {"readiness.istiodLabel=true", "istio-cni-node"}} {
+		got := map[string]string{}
+		for _, o := range objects(t, render(t, "", c.set, "networkPolicy.enabled=true")) {
+			for what, path := range map[string][]string{
+				"DaemonSet selector": {"spec", "selector", "matchLabels", "k8s-app"},
+				"DaemonSet template": {"spec", "template", "metadata", "labels", "k8s-app"},
+				"NetworkPolicy pods": {"spec", "podSelector", "matchLabels", "k8s-app"},
+			} {
+				if v, ok, _ := unstructured.NestedString(o.Object, path...); ok && strings.HasPrefix(what, o.GetKind()) {
+					got[what] = v
+				}
+			}
+		}
+		if len(got) != 3 {
+			t.Fatalf("%s: found %v, want the DaemonSet's selector and template and the NetworkPolicy's pods", c.set, got)
+		}
+		for what, v := range got {
+			if v != c.want {
+				t.Errorf("%s: %s k8s-app=%s, want %s", c.set, what, v, c.want)
+			}
+		}
+	}
+}
+
 // provider: multus renders a NetworkAttachmentDefinition in each namespace
 // of multus.namespaces (istio#54820), which a real API server with the
 // NPWG CRD accepts.
