@@ -20,6 +20,7 @@ import (
 
 	"github.com/nftcni/nftcni/agent/zds"
 	"github.com/nftcni/nftcni/internal/testnet"
+	"github.com/nftcni/nftcni/istio"
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
@@ -167,8 +168,8 @@ func TestCNISidecarFromRuntimeAnnotations(t *testing.T) {
 	n.startAgent()
 	full := n.list("bridge", "1.0.0", true, false)
 	ann := map[string]string{
-		nft.AnnSidecarStatus:        `{"initContainers":["istio-validation"],"containers":["istio-proxy"],"revision":"default"}`,
-		nft.AnnExcludeOutboundPorts: "9999",
+		istio.AnnSidecarStatus:        `{"initContainers":["istio-validation"],"containers":["istio-proxy"],"revision":"default"}`,
+		istio.AnnExcludeOutboundPorts: "9999",
 	}
 	p := n.pod(plainNS, "sidecar", ann)
 	p.Spec.Containers = []corev1.Container{{Name: "app"}, {Name: "istio-proxy", Args: []string{"proxy", "sidecar"}}}
@@ -220,7 +221,7 @@ func TestCNISidecarFromAgent(t *testing.T) {
 	n.startAgent()
 	full := n.list("bridge", "1.0.0", true, false)
 	uid := int64(2000)
-	p := n.pod(plainNS, "side", map[string]string{nft.AnnSidecarStatus: `{"containers":["istio-proxy"]}`})
+	p := n.pod(plainNS, "side", map[string]string{istio.AnnSidecarStatus: `{"containers":["istio-proxy"]}`})
 	p.Spec.Containers = []corev1.Container{{Name: "app"}, {Name: "istio-proxy", Args: []string{"proxy", "sidecar"},
 		SecurityContext: &corev1.SecurityContext{RunAsUser: &uid}}}
 	pod := testnet.NewNS(t, "nftpod")
@@ -372,7 +373,7 @@ func TestCNISidecarWithRuntimeAnnotationsTakesTheProxyUIDFromTheSpec(t *testing.
 	full := n.list("bridge", "1.0.0", true, false)
 	const proxyUID = 1000650000
 	uid := int64(proxyUID)
-	ann := map[string]string{nft.AnnSidecarStatus: `{"initContainers":["istio-validation"],"containers":["istio-proxy"]}`}
+	ann := map[string]string{istio.AnnSidecarStatus: `{"initContainers":["istio-validation"],"containers":["istio-proxy"]}`}
 	p := n.pod(plainNS, "openshift", ann)
 	p.Spec.Containers = []corev1.Container{{Name: "app"}, {Name: "istio-proxy", Args: []string{"proxy", "sidecar"},
 		SecurityContext: &corev1.SecurityContext{RunAsUser: &uid, RunAsGroup: &uid}}}

@@ -34,6 +34,7 @@ import (
 	"github.com/nftcni/nftcni/conflist"
 	"github.com/nftcni/nftcni/internal/testnet"
 	"github.com/nftcni/nftcni/internal/ztunneltest"
+	"github.com/nftcni/nftcni/istio"
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
 	"github.com/nftcni/nftcni/templates"
@@ -111,7 +112,7 @@ func newCNINode(t testing.TB, subnet int) *cniNode {
 	n.cni = libcni.NewCNIConfigWithCacheDir([]string{referencePlugins(t), binDir}, filepath.Join(root, "cache"), nil)
 	n.store = podsource.NewStore()
 	n.store.PutNamespace(&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: meshNS,
-		Labels: map[string]string{enablement.LabelDataplaneMode: enablement.DataplaneAmbient}}})
+		Labels: map[string]string{istio.LabelDataplaneMode: istio.DataplaneAmbient}}})
 	n.store.PutNamespace(&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: plainNS}})
 	var err error
 	if n.policy, err = enablement.Compile(enablement.DefaultConfig()); err != nil {

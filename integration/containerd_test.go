@@ -21,6 +21,7 @@ import (
 	"github.com/nftcni/nftcni/integration/containerdtest"
 	"github.com/nftcni/nftcni/internal/testnet"
 	"github.com/nftcni/nftcni/internal/ztunneltest"
+	"github.com/nftcni/nftcni/istio"
 	"github.com/nftcni/nftcni/nft"
 )
 
@@ -269,8 +270,8 @@ func testCRIPods(t *testing.T, gen containerdtest.Generation, subnet int) {
 	// runtimeConfig; the agent decides the ruleset from the pod's spec (the
 	// proxy's UID) and annotations, and the plugin programs it.
 	ann := map[string]string{
-		nft.AnnSidecarStatus:        `{"initContainers":["istio-validation"],"containers":["istio-proxy"],"revision":"default"}`,
-		nft.AnnExcludeOutboundPorts: "9999",
+		istio.AnnSidecarStatus:        `{"initContainers":["istio-validation"],"containers":["istio-proxy"],"revision":"default"}`,
+		istio.AnnExcludeOutboundPorts: "9999",
 	}
 	before := n.addRequests()
 	sc, scNS := n.run("plain", "sidecar", "uid-sidecar", ann)

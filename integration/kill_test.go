@@ -16,9 +16,9 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/nftcni/nftcni/agent/enablement"
 	"github.com/nftcni/nftcni/integration/kubetest"
 	"github.com/nftcni/nftcni/internal/testnet"
+	"github.com/nftcni/nftcni/istio"
 	"github.com/nftcni/nftcni/nft"
 )
 
@@ -53,7 +53,7 @@ func TestAgentKilledDuringAdds(t *testing.T) {
 	ctx := context.Background()
 	cs := api.Client
 	if _, err := cs.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "burst",
-		Labels: map[string]string{enablement.LabelDataplaneMode: "ambient"}}}, metav1.CreateOptions{}); err != nil {
+		Labels: map[string]string{istio.LabelDataplaneMode: "ambient"}}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	n := newAgentNode(t, 68, nil)
@@ -144,7 +144,7 @@ func TestAgentKilledDuringAdds(t *testing.T) {
 			}
 			var annotated []string
 			for _, p := range list.Items {
-				if p.Annotations[enablement.AnnRedirection] == "enabled" {
+				if p.Annotations[istio.AnnRedirection] == "enabled" {
 					annotated = append(annotated, string(p.UID))
 				}
 			}

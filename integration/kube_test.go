@@ -11,11 +11,11 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
-	"github.com/nftcni/nftcni/agent/enablement"
 	"github.com/nftcni/nftcni/agent/zds"
 	"github.com/nftcni/nftcni/integration/kubetest"
 	"github.com/nftcni/nftcni/internal/testnet"
 	"github.com/nftcni/nftcni/internal/ztunneltest"
+	"github.com/nftcni/nftcni/istio"
 )
 
 func eventually(t *testing.T, what string, cond func() bool) {
@@ -36,7 +36,7 @@ func TestKubernetesEnrolment(t *testing.T) {
 	ctx := context.Background()
 	cs := api.Client
 	for _, ns := range []*corev1.Namespace{
-		{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{enablement.LabelDataplaneMode: "ambient"}}},
+		{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{istio.LabelDataplaneMode: "ambient"}}},
 		{ObjectMeta: metav1.ObjectMeta{Name: "legacy"}},
 	} {
 		if _, err := cs.CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{}); err != nil {
@@ -56,7 +56,7 @@ func TestKubernetesEnrolment(t *testing.T) {
 	// Annotated as enrolled by an agent before this one, which this agent
 	// cannot find a netns for: ztunnel must be told to keep it.
 	ghost, err := cs.CoreV1().Pods("shop").Create(ctx, &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "ghost", Namespace: "shop",
-		Annotations: map[string]string{enablement.AnnRedirection: "enabled"}},
+		Annotations: map[string]string{istio.AnnRedirection: "enabled"}},
 		Spec: corev1.PodSpec{NodeName: "node-a", Containers: []corev1.Container{{Name: "app", Image: "app"}}}}, metav1.CreateOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -89,7 +89,7 @@ func TestKubernetesEnrolment(t *testing.T) {
 		if err != nil {
 			return "<" + err.Error() + ">"
 		}
-		return p.Annotations[enablement.AnnRedirection]
+		return p.Annotations[istio.AnnRedirection]
 	}
 	hostNode := &cniNode{node: h.netns}
 
@@ -107,7 +107,7 @@ func TestKubernetesEnrolment(t *testing.T) {
 		t.Fatalf("tables after ADD: cart %v batch %v", hasTable(t, cartNS), hasTable(t, batchNS))
 	}
 	if got := redirection("shop", "cart"); got != "enabled" {
-		t.Errorf("shop/cart %s = %q, want enabled", enablement.AnnRedirection, got)
+		t.Errorf("shop/cart %s = %q, want enabled", istio.AnnRedirection, got)
 	}
 	if set := hostNode.probeSet(t); !strings.Contains(set, cartIP+` comment "`+string(cart.UID)+`"`) {
 		t.Errorf("probe set lacks shop/cart:\n%s", set)

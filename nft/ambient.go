@@ -4,36 +4,19 @@ import (
 	"net/netip"
 
 	"github.com/google/nftables"
+
+	"github.com/nftcni/nftcni/istio"
 )
 
-// Istio's constants (istio-cni cni/pkg/config): ztunnel's ports and marks.
 const (
-	ZtunnelOutboundPort uint16 = 15001
-	ZtunnelInboundPort  uint16 = 15006
-	HBONEPort           uint16 = 15008
-	DNSCapturePort      uint16 = 15053
-
-	// ZtunnelMark is SO_MARK on ztunnel's sockets (1337); MarkMask covers the
-	// bits Istio owns.
-	ZtunnelMark uint32 = 0x539
-	MarkMask    uint32 = 0xfff
-	// ConnMark marks connections ztunnel opened into the pod, so replies are
-	// routed back to it by RouteTable.
-	ConnMark   uint32 = 0x111
-	RouteTable        = 100
-	// RulePriority is the `ip rule` preference Istio uses.
-	RulePriority = 32764
-
 	// PodTable is our table in a pod netns.
 	PodTable = "nftcni"
 )
 
-// Probe SNAT addresses: kubelet's probes to enrolled pods come from these.
+// Loopback, kept out of capture.
 var (
-	ProbeSNATv4 = netip.MustParseAddr("169.254.7.127")
-	ProbeSNATv6 = netip.MustParseAddr("fd16:9254:7127:1337:ffff:ffff:ffff:ffff")
-	loopback4   = netip.MustParsePrefix("127.0.0.1/32")
-	loopback6   = netip.MustParsePrefix("::1/128")
+	loopback4 = netip.MustParsePrefix("127.0.0.1/32")
+	loopback6 = netip.MustParsePrefix("::1/128")
 )
 
 // families lists the address families rules are made for: IPv4 (true),
@@ -95,22 +78,22 @@ func Ambient(s AmbientSpec) *Ruleset {
 	fams := families(s.IPv6)
 	snat := func(v4 bool) netip.Prefix {
 		if v4 {
-			return netip.PrefixFrom(ProbeSNATv4, 32)
+			return netip.PrefixFrom(istio.ProbeSNATv4, 32)
 		}
-		return netip.PrefixFrom(ProbeSNATv6, 128)
+		return netip.PrefixFrom(istio.ProbeSNATv6, 128)
 	}
-	notZtunnel := Mark(Neq, MarkMask, ZtunnelMark)
+	notZtunnel := Mark(Neq, istio.MarkMask, istio.ZtunnelMark)
 
 	// Inbound.
 	for _, v := range s.VirtualInterfaces {
-		t.add(natPre, IfName(true, Eq, v), L4(TCP), Counter(), Redirect(ZtunnelOutboundPort))
+		t.add(natPre, IfName(true, Eq, v), L4(TCP), Counter(), Redirect(istio.ZtunnelOutboundPort))
 	}
 	if !s.IngressBypass {
 		for _, v4 := range fams { // kubelet probes, SNATed on the host, bypass ztunnel
 			t.add(natPre, L4(TCP), Addr(true, Eq, snat(v4)), Counter(), Accept())
 		}
 		for _, v4 := range fams { // everything else but HBONE and ztunnel's own packets
-			t.add(natPre, Addr(false, Neq, loopback(v4)), DPort(TCP, Neq, HBONEPort), notZtunnel, Counter(), Redirect(ZtunnelInboundPort))
+			t.add(natPre, Addr(false, Neq, loopback(v4)), DPort(TCP, Neq, istio.HBONEPort), notZtunnel, Counter(), Redirect(istio.ZtunnelInboundPort))
 		}
 	}
 
@@ -119,35 +102,35 @@ func Ambient(s AmbientSpec) *Ruleset {
 		t.add(natOut, L4(TCP), Addr(false, Eq, snat(v4)), Counter(), Accept())
 	}
 	if s.DNSCapture {
-		t.add(natOut, IfName(false, Neq, "lo"), notZtunnel, DPort(UDP, Eq, 53), Counter(), Redirect(DNSCapturePort))
+		t.add(natOut, IfName(false, Neq, "lo"), notZtunnel, DPort(UDP, Eq, 53), Counter(), Redirect(istio.DNSCapturePort))
 		for _, v4 := range fams {
-			t.add(natOut, Addr(false, Neq, loopback(v4)), DPort(TCP, Eq, 53), notZtunnel, Counter(), Redirect(DNSCapturePort))
+			t.add(natOut, Addr(false, Neq, loopback(v4)), DPort(TCP, Eq, 53), notZtunnel, Counter(), Redirect(istio.DNSCapturePort))
 		}
 	}
 	// Replies on connections ztunnel opened into the pod go back as they are.
-	t.add(natOut, L4(TCP), Mark(Eq, MarkMask, ConnMark), Counter(), Accept())
+	t.add(natOut, L4(TCP), Mark(Eq, istio.MarkMask, istio.ConnMark), Counter(), Accept())
 	for _, v4 := range fams { // the app talking to its own pod IP over lo
 		t.add(natOut, IfName(false, Eq, "lo"), Addr(false, Neq, loopback(v4)), Counter(), Accept())
 	}
 	for _, v4 := range fams {
-		t.add(natOut, L4(TCP), Addr(false, Neq, loopback(v4)), notZtunnel, Counter(), Redirect(ZtunnelOutboundPort))
+		t.add(natOut, L4(TCP), Addr(false, Neq, loopback(v4)), notZtunnel, Counter(), Redirect(istio.ZtunnelOutboundPort))
 	}
 
 	// Connection marks: remember that ztunnel opened a connection, and put
 	// the mark back on its replies so policy routing returns them to ztunnel.
-	t.add(manglePre, Mark(Eq, MarkMask, ZtunnelMark), Counter(), SetCtMarkBits(^MarkMask, ConnMark))
-	t.add(mangleOut, CtMark(Eq, MarkMask, ConnMark), Counter(), SetMarkFromCt())
+	t.add(manglePre, Mark(Eq, istio.MarkMask, istio.ZtunnelMark), Counter(), SetCtMarkBits(^istio.MarkMask, istio.ConnMark))
+	t.add(mangleOut, CtMark(Eq, istio.MarkMask, istio.ConnMark), Counter(), SetMarkFromCt())
 
 	// A conntrack zone of its own for ztunnel's upstream DNS, so its UDP
 	// ports cannot collide with the app's (istio/istio#33469).
 	if s.DNSCapture {
-		t.add(rawOut, DPort(UDP, Eq, 53), Mark(Eq, MarkMask, ZtunnelMark), Counter(), SetCtZone(1))
+		t.add(rawOut, DPort(UDP, Eq, 53), Mark(Eq, istio.MarkMask, istio.ZtunnelMark), Counter(), SetCtZone(1))
 		t.add(rawPre, SPort(UDP, Eq, 53), notZtunnel, Counter(), SetCtZone(1))
 	}
 
 	rs := &Ruleset{Tables: []*Table{t}}
 	for _, v4 := range fams {
-		rs.Routes = append(rs.Routes, Route{Mark: ConnMark, Mask: MarkMask, Table: RouteTable, Priority: RulePriority, V6: !v4})
+		rs.Routes = append(rs.Routes, Route{Mark: istio.ConnMark, Mask: istio.MarkMask, Table: istio.RouteTable, Priority: istio.RulePriority, V6: !v4})
 	}
 	return rs
 }

@@ -6,26 +6,9 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-)
 
-// Pod annotations Istio's sidecar injector and users set.
-const (
-	AnnInterceptionMode     = "sidecar.istio.io/interceptionMode"
-	AnnIncludeInboundPorts  = "traffic.sidecar.istio.io/includeInboundPorts"
-	AnnExcludeInboundPorts  = "traffic.sidecar.istio.io/excludeInboundPorts"
-	AnnIncludeOutboundPorts = "traffic.sidecar.istio.io/includeOutboundPorts"
-	AnnExcludeOutboundPorts = "traffic.sidecar.istio.io/excludeOutboundPorts"
-	AnnIncludeOutboundCIDRs = "traffic.sidecar.istio.io/includeOutboundIPRanges"
-	AnnExcludeOutboundCIDRs = "traffic.sidecar.istio.io/excludeOutboundIPRanges"
-	AnnExcludeInterfaces    = "traffic.sidecar.istio.io/excludeInterfaces"
-	AnnRerouteInterfaces    = "istio.io/reroute-virtual-interfaces"
-	AnnKubevirtInterfaces   = "traffic.sidecar.istio.io/kubevirtInterfaces" // deprecated twin
-	AnnSidecarStatus        = "sidecar.istio.io/status"
+	"github.com/nftcni/nftcni/istio"
 )
-
-// Ports the sidecar always keeps out of inbound capture (agent health,
-// readiness, Prometheus), as istio-cni appends them.
-var alwaysExcludedInbound = []uint16{15020, 15021, 15090}
 
 // SidecarProxy describes the injected istio-proxy container: what the pod
 // spec (not the annotations) says.
@@ -41,7 +24,7 @@ type SidecarProxy struct {
 // destinations but port 15020). A bad value is an error naming the
 // annotation; nothing is guessed.
 func ParseSidecar(ann map[string]string, proxy SidecarProxy) (SidecarSpec, error) {
-	s := SidecarSpec{Mode: ModeRedirect, ProxyUID: 1337, ProxyGID: 1337,
+	s := SidecarSpec{Mode: istio.ModeRedirect, ProxyUID: istio.ProxyID, ProxyGID: istio.ProxyID,
 		DNSCapture: proxy.DNSCapture, DropInvalid: proxy.DropInvalid, IPv6: proxy.IPv6}
 	if proxy.UID != 0 {
 		s.ProxyUID = proxy.UID
@@ -55,42 +38,42 @@ func ParseSidecar(ann map[string]string, proxy SidecarProxy) (SidecarSpec, error
 		}
 		return def
 	}
-	switch m := get(AnnInterceptionMode, ModeRedirect); m {
-	case ModeRedirect, ModeTProxy:
+	switch m := get(istio.AnnInterceptionMode, istio.ModeRedirect); m {
+	case istio.ModeRedirect, istio.ModeTProxy:
 		s.Mode = m
 	default:
-		return s, fmt.Errorf("annotation %s=%q: want REDIRECT or TPROXY", AnnInterceptionMode, m)
+		return s, fmt.Errorf("annotation %s=%q: want REDIRECT or TPROXY", istio.AnnInterceptionMode, m)
 	}
 	var err error
-	if s.InboundAll, s.InboundPorts, err = portList(AnnIncludeInboundPorts, get(AnnIncludeInboundPorts, "*"), true); err != nil {
+	if s.InboundAll, s.InboundPorts, err = portList(istio.AnnIncludeInboundPorts, get(istio.AnnIncludeInboundPorts, "*"), true); err != nil {
 		return s, err
 	}
-	if _, s.ExcludeInboundPorts, err = portList(AnnExcludeInboundPorts, get(AnnExcludeInboundPorts, "15020"), false); err != nil {
+	if _, s.ExcludeInboundPorts, err = portList(istio.AnnExcludeInboundPorts, get(istio.AnnExcludeInboundPorts, "15020"), false); err != nil {
 		return s, err
 	}
-	for _, p := range alwaysExcludedInbound {
+	for _, p := range istio.SidecarExcludedInbound {
 		if !slices.Contains(s.ExcludeInboundPorts, p) {
 			s.ExcludeInboundPorts = append(s.ExcludeInboundPorts, p)
 		}
 	}
-	if _, s.OutboundPorts, err = portList(AnnIncludeOutboundPorts, get(AnnIncludeOutboundPorts, ""), false); err != nil {
+	if _, s.OutboundPorts, err = portList(istio.AnnIncludeOutboundPorts, get(istio.AnnIncludeOutboundPorts, ""), false); err != nil {
 		return s, err
 	}
-	if _, s.ExcludeOutboundPorts, err = portList(AnnExcludeOutboundPorts, get(AnnExcludeOutboundPorts, "15020"), false); err != nil {
+	if _, s.ExcludeOutboundPorts, err = portList(istio.AnnExcludeOutboundPorts, get(istio.AnnExcludeOutboundPorts, "15020"), false); err != nil {
 		return s, err
 	}
-	if s.OutboundAll, s.IncludeOutboundCIDRs, err = cidrList(AnnIncludeOutboundCIDRs, get(AnnIncludeOutboundCIDRs, "*"), true); err != nil {
+	if s.OutboundAll, s.IncludeOutboundCIDRs, err = cidrList(istio.AnnIncludeOutboundCIDRs, get(istio.AnnIncludeOutboundCIDRs, "*"), true); err != nil {
 		return s, err
 	}
-	if _, s.ExcludeOutboundCIDRs, err = cidrList(AnnExcludeOutboundCIDRs, get(AnnExcludeOutboundCIDRs, ""), false); err != nil {
+	if _, s.ExcludeOutboundCIDRs, err = cidrList(istio.AnnExcludeOutboundCIDRs, get(istio.AnnExcludeOutboundCIDRs, ""), false); err != nil {
 		return s, err
 	}
-	if s.ExcludeInterfaces, err = ifaceList(AnnExcludeInterfaces, get(AnnExcludeInterfaces, "")); err != nil {
+	if s.ExcludeInterfaces, err = ifaceList(istio.AnnExcludeInterfaces, get(istio.AnnExcludeInterfaces, "")); err != nil {
 		return s, err
 	}
-	reroute := AnnRerouteInterfaces
+	reroute := istio.AnnRerouteInterfaces
 	if _, ok := ann[reroute]; !ok {
-		reroute = AnnKubevirtInterfaces
+		reroute = istio.AnnKubevirtInterfaces
 	}
 	if s.RerouteInterfaces, err = ifaceList(reroute, get(reroute, "")); err != nil {
 		return s, err

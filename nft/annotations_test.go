@@ -5,6 +5,8 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+
+	"github.com/nftcni/nftcni/istio"
 )
 
 func TestParseSidecarDefaults(t *testing.T) {
@@ -13,7 +15,7 @@ func TestParseSidecarDefaults(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := SidecarSpec{
-		Mode: ModeRedirect, InboundAll: true, ExcludeInboundPorts: []uint16{15020, 15021, 15090},
+		Mode: istio.ModeRedirect, InboundAll: true, ExcludeInboundPorts: []uint16{15020, 15021, 15090},
 		OutboundAll: true, ExcludeOutboundPorts: []uint16{15020}, ProxyUID: 1337, ProxyGID: 1337,
 	}
 	if !reflect.DeepEqual(s, want) {
@@ -23,19 +25,19 @@ func TestParseSidecarDefaults(t *testing.T) {
 
 func TestParseSidecarValues(t *testing.T) {
 	s, err := ParseSidecar(map[string]string{
-		AnnInterceptionMode:     "TPROXY",
-		AnnIncludeInboundPorts:  "8080, 9090,8080",
-		AnnExcludeInboundPorts:  "15021,7000",
-		AnnIncludeOutboundCIDRs: "10.0.0.0/8, 10.96.0.10",
-		AnnExcludeOutboundCIDRs: "192.168.1.7/24",
-		AnnIncludeOutboundPorts: "",
-		AnnExcludeInterfaces:    "eth1,eth2",
-		AnnKubevirtInterfaces:   "k0",
+		istio.AnnInterceptionMode:     "TPROXY",
+		istio.AnnIncludeInboundPorts:  "8080, 9090,8080",
+		istio.AnnExcludeInboundPorts:  "15021,7000",
+		istio.AnnIncludeOutboundCIDRs: "10.0.0.0/8, 10.96.0.10",
+		istio.AnnExcludeOutboundCIDRs: "192.168.1.7/24",
+		istio.AnnIncludeOutboundPorts: "",
+		istio.AnnExcludeInterfaces:    "eth1,eth2",
+		istio.AnnKubevirtInterfaces:   "k0",
 	}, SidecarProxy{UID: 1500, GID: 1600, DNSCapture: true, IPv6: true})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if s.Mode != ModeTProxy || s.InboundAll || !reflect.DeepEqual(s.InboundPorts, []uint16{8080, 9090}) {
+	if s.Mode != istio.ModeTProxy || s.InboundAll || !reflect.DeepEqual(s.InboundPorts, []uint16{8080, 9090}) {
 		t.Errorf("inbound: %+v", s)
 	}
 	if !reflect.DeepEqual(s.ExcludeInboundPorts, []uint16{15021, 7000, 15020, 15090}) {
@@ -54,7 +56,7 @@ func TestParseSidecarValues(t *testing.T) {
 		t.Errorf("proxy settings %+v", s)
 	}
 	// The current annotation wins over its deprecated twin.
-	s, _ = ParseSidecar(map[string]string{AnnRerouteInterfaces: "new0", AnnKubevirtInterfaces: "old0"}, SidecarProxy{})
+	s, _ = ParseSidecar(map[string]string{istio.AnnRerouteInterfaces: "new0", istio.AnnKubevirtInterfaces: "old0"}, SidecarProxy{})
 	if !reflect.DeepEqual(s.RerouteInterfaces, []string{"new0"}) {
 		t.Errorf("reroute = %v", s.RerouteInterfaces)
 	}
@@ -62,13 +64,13 @@ func TestParseSidecarValues(t *testing.T) {
 
 func TestParseSidecarErrors(t *testing.T) {
 	for key, val := range map[string]string{
-		AnnInterceptionMode:     "MAGIC",
-		AnnIncludeInboundPorts:  "80,http",
-		AnnExcludeInboundPorts:  "70000",
-		AnnExcludeOutboundPorts: "0",
-		AnnIncludeOutboundCIDRs: "10.0.0.0/33",
-		AnnExcludeOutboundCIDRs: "not-a-cidr",
-		AnnExcludeInterfaces:    "a-very-long-interface-name",
+		istio.AnnInterceptionMode:     "MAGIC",
+		istio.AnnIncludeInboundPorts:  "80,http",
+		istio.AnnExcludeInboundPorts:  "70000",
+		istio.AnnExcludeOutboundPorts: "0",
+		istio.AnnIncludeOutboundCIDRs: "10.0.0.0/33",
+		istio.AnnExcludeOutboundCIDRs: "not-a-cidr",
+		istio.AnnExcludeInterfaces:    "a-very-long-interface-name",
 	} {
 		_, err := ParseSidecar(map[string]string{key: val}, SidecarProxy{})
 		if err == nil || !strings.Contains(err.Error(), key) || !strings.Contains(err.Error(), val) {

@@ -6,6 +6,8 @@ import (
 
 	"github.com/google/nftables"
 	"github.com/google/nftables/userdata"
+
+	"github.com/nftcni/nftcni/istio"
 )
 
 // ruleCommentType is libnftnl's NFTNL_UDATA_RULE_COMMENT, the TLV nft reads
@@ -145,6 +147,6 @@ func nftRule(t *nftables.Table, c *nftables.Chain, r Rule) *nftables.Rule {
 func PodCleanup() *Ruleset {
 	rs := &Ruleset{Tables: []*Table{{Name: PodTable}}}
 	rs.Routes = append(rs.Routes, Ambient(AmbientSpec{IPv6: true}).Routes...)
-	rs.Routes = append(rs.Routes, Sidecar(SidecarSpec{Mode: ModeTProxy, IPv6: true}).Routes...)
+	rs.Routes = append(rs.Routes, Sidecar(SidecarSpec{Mode: istio.ModeTProxy, IPv6: true}).Routes...)
 	return rs
 }

@@ -6,6 +6,8 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+
+	"github.com/nftcni/nftcni/istio"
 )
 
 var update = flag.Bool("update", false, "rewrite golden files")
@@ -35,18 +37,18 @@ func variants(t testing.TB) []variant {
 		{"ambient-virtual-interfaces", Ambient(AmbientSpec{DNSCapture: true, IPv6: true, VirtualInterfaces: []string{"tun0", "kubevirt0"}})},
 		{"sidecar-default", Sidecar(sidecarDefaults(t, nil, SidecarProxy{}))},
 		{"sidecar-ipv6", Sidecar(sidecarDefaults(t, nil, SidecarProxy{IPv6: true}))},
-		{"sidecar-tproxy", Sidecar(sidecarDefaults(t, map[string]string{AnnInterceptionMode: "TPROXY"}, SidecarProxy{IPv6: true}))},
+		{"sidecar-tproxy", Sidecar(sidecarDefaults(t, map[string]string{istio.AnnInterceptionMode: "TPROXY"}, SidecarProxy{IPv6: true}))},
 		{"sidecar-dns-drop-invalid", Sidecar(sidecarDefaults(t, nil, SidecarProxy{DNSCapture: true, DropInvalid: true, UID: 1500, GID: 1501}))},
 		{"sidecar-ports-and-cidrs", Sidecar(sidecarDefaults(t, map[string]string{
-			AnnIncludeInboundPorts:  "8080, 9090",
-			AnnIncludeOutboundCIDRs: "10.0.0.0/8,fd00::/8",
-			AnnExcludeOutboundCIDRs: "10.96.0.10/32",
-			AnnIncludeOutboundPorts: "3306",
-			AnnExcludeOutboundPorts: "15020,5432",
-			AnnExcludeInterfaces:    "eth9",
-			AnnRerouteInterfaces:    "tap0",
+			istio.AnnIncludeInboundPorts:  "8080, 9090",
+			istio.AnnIncludeOutboundCIDRs: "10.0.0.0/8,fd00::/8",
+			istio.AnnExcludeOutboundCIDRs: "10.96.0.10/32",
+			istio.AnnIncludeOutboundPorts: "3306",
+			istio.AnnExcludeOutboundPorts: "15020,5432",
+			istio.AnnExcludeInterfaces:    "eth9",
+			istio.AnnRerouteInterfaces:    "tap0",
 		}, SidecarProxy{IPv6: true}))},
-		{"sidecar-tproxy-ports", Sidecar(sidecarDefaults(t, map[string]string{AnnInterceptionMode: "TPROXY", AnnIncludeInboundPorts: "8080"}, SidecarProxy{}))},
+		{"sidecar-tproxy-ports", Sidecar(sidecarDefaults(t, map[string]string{istio.AnnInterceptionMode: "TPROXY", istio.AnnIncludeInboundPorts: "8080"}, SidecarProxy{}))},
 		{"host-probe", HostProbe(true, []Member{{UID: uid, IPs: []netip.Addr{netip.MustParseAddr("10.244.1.7"), netip.MustParseAddr("fd00:244::7")}}})},
 	}
 }

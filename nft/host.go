@@ -8,6 +8,8 @@ import (
 	"sync"
 
 	"github.com/google/nftables"
+
+	"github.com/nftcni/nftcni/istio"
 )
 
 // HostTable is our table in the host netns.
@@ -57,9 +59,9 @@ func HostProbe(ipv6 bool, members []Member) *Ruleset {
 		}
 	}
 	t.base(hostPost, nftables.ChainTypeNAT, nftables.ChainHookPostrouting, prioSrcNAT)
-	t.add(hostPost, L4(TCP), AddrInSet(false, true, probeSetV4), LocalSocket(), Counter(), SNAT(ProbeSNATv4))
+	t.add(hostPost, L4(TCP), AddrInSet(false, true, probeSetV4), LocalSocket(), Counter(), SNAT(istio.ProbeSNATv4))
 	if ipv6 {
-		t.add(hostPost, L4(TCP), AddrInSet(false, false, probeSetV6), LocalSocket(), Counter(), SNAT(ProbeSNATv6))
+		t.add(hostPost, L4(TCP), AddrInSet(false, false, probeSetV6), LocalSocket(), Counter(), SNAT(istio.ProbeSNATv6))
 	}
 	return &Ruleset{Tables: []*Table{t}}
 }

@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/nftcni/nftcni/internal/testnet"
+	"github.com/nftcni/nftcni/istio"
 )
 
 var counters = regexp.MustCompile(`counter packets \d+ bytes \d+`)
@@ -250,7 +251,7 @@ func TestConcurrentAppliesIntoManyNetns(t *testing.T) {
 			defer wg.Done()
 			rs := Ambient(AmbientSpec{DNSCapture: i%2 == 0, IPv6: true})
 			if i%3 == 0 {
-				rs = Sidecar(SidecarSpec{Mode: ModeTProxy, InboundAll: true, OutboundAll: true, ProxyUID: 1337, ProxyGID: 1337, IPv6: true})
+				rs = Sidecar(SidecarSpec{Mode: istio.ModeTProxy, InboundAll: true, OutboundAll: true, ProxyUID: 1337, ProxyGID: 1337, IPv6: true})
 			}
 			if err := Apply(n.FD, rs); err != nil {
 				errs <- fmt.Errorf("netns %d: %w", i, err)

@@ -4,23 +4,8 @@ import (
 	"net/netip"
 
 	"github.com/google/nftables"
-)
 
-// Sidecar (Envoy) ports and marks, as istio-iptables/istio-nftables use them.
-const (
-	SidecarOutboundPort uint16 = 15001
-	SidecarInboundPort  uint16 = 15006
-	// TProxyMark is put on intercepted inbound packets (1337); TProxyLocalMark
-	// (1338) marks the proxy's own loopback traffic to the app.
-	TProxyMark       uint32 = 1337
-	TProxyLocalMark  uint32 = 1338
-	TProxyRouteTable        = 133
-)
-
-// Interception modes.
-const (
-	ModeRedirect = "REDIRECT"
-	ModeTProxy   = "TPROXY"
+	"github.com/nftcni/nftcni/istio"
 )
 
 // SidecarSpec is Istio's sidecar capture configuration, usually filled from
@@ -77,7 +62,7 @@ var (
 // Sidecar builds Istio's sidecar capture ruleset (§3.3 of the reference).
 func Sidecar(s SidecarSpec) *Ruleset {
 	t := &Table{Name: PodTable}
-	tproxy := s.Mode == ModeTProxy
+	tproxy := s.Mode == istio.ModeTProxy
 	t.base(natPre, nftables.ChainTypeNAT, nftables.ChainHookPrerouting, prioNAT)
 	t.base(natOut, nftables.ChainTypeNAT, nftables.ChainHookOutput, prioNAT)
 	if tproxy || s.DropInvalid {
@@ -129,7 +114,7 @@ func Sidecar(s SidecarSpec) *Ruleset {
 	switch {
 	case captureIn && !tproxy:
 		t.add(natPre, L4(TCP), Counter(), Jump(scInbound))
-		t.add(scInbound, DPort(TCP, Eq, HBONEPort), Counter(), Return())
+		t.add(scInbound, DPort(TCP, Eq, istio.HBONEPort), Counter(), Return())
 		if s.InboundAll {
 			for _, p := range s.ExcludeInboundPorts {
 				t.add(scInbound, DPort(TCP, Eq, p), Counter(), Return())
@@ -141,18 +126,18 @@ func Sidecar(s SidecarSpec) *Ruleset {
 			}
 		}
 	case captureIn && tproxy:
-		t.add(scDivert, Counter(), SetMark(TProxyMark))
+		t.add(scDivert, Counter(), SetMark(istio.TProxyMark))
 		t.add(scDivert, Counter(), Accept())
 		for _, v4 := range fams {
-			t.add(scTProxy, L4(TCP), Addr(false, Neq, loopback(v4)), TProxy(v4, SidecarInboundPort), SetMark(TProxyMark), Counter(), Accept())
+			t.add(scTProxy, L4(TCP), Addr(false, Neq, loopback(v4)), TProxy(v4, istio.SidecarInboundPort), SetMark(istio.TProxyMark), Counter(), Accept())
 		}
 		t.add(manglePre, L4(TCP), Counter(), Jump(scMangleIn))
-		t.add(scMangleIn, L4(TCP), Mark(Eq, 0, TProxyMark), Counter(), Return())
+		t.add(scMangleIn, L4(TCP), Mark(Eq, 0, istio.TProxyMark), Counter(), Return())
 		for _, v4 := range fams {
 			t.add(scMangleIn, IfName(true, Eq, "lo"), L4(TCP), Addr(true, Eq, passthrough(v4)), Counter(), Return())
 		}
-		t.add(scMangleIn, IfName(true, Eq, "lo"), L4(TCP), Mark(Neq, 0, TProxyLocalMark), Counter(), Return())
-		t.add(scMangleIn, DPort(TCP, Eq, HBONEPort), Counter(), Return())
+		t.add(scMangleIn, IfName(true, Eq, "lo"), L4(TCP), Mark(Neq, 0, istio.TProxyLocalMark), Counter(), Return())
+		t.add(scMangleIn, DPort(TCP, Eq, istio.HBONEPort), Counter(), Return())
 		if s.InboundAll {
 			for _, p := range s.ExcludeInboundPorts {
 				t.add(scMangleIn, DPort(TCP, Eq, p), Counter(), Return())
@@ -167,17 +152,17 @@ func Sidecar(s SidecarSpec) *Ruleset {
 		}
 	}
 	if tproxy {
-		t.add(manglePre, L4(TCP), Mark(Eq, 0, TProxyMark), Counter(), SetCtMarkFromMark())
-		t.add(mangleOut, IfName(false, Eq, "lo"), L4(TCP), Mark(Eq, 0, TProxyMark), Counter(), Return())
+		t.add(manglePre, L4(TCP), Mark(Eq, 0, istio.TProxyMark), Counter(), SetCtMarkFromMark())
+		t.add(mangleOut, IfName(false, Eq, "lo"), L4(TCP), Mark(Eq, 0, istio.TProxyMark), Counter(), Return())
 		for _, id := range []Term{SkUID(Eq, s.ProxyUID), SkGID(Eq, s.ProxyGID)} {
 			for _, v4 := range fams {
-				t.add(mangleOut, IfName(false, Eq, "lo"), L4(TCP), Addr(false, Neq, loopback(v4)), id, Counter(), SetMark(TProxyLocalMark))
+				t.add(mangleOut, IfName(false, Eq, "lo"), L4(TCP), Addr(false, Neq, loopback(v4)), id, Counter(), SetMark(istio.TProxyLocalMark))
 			}
 		}
-		t.add(mangleOut, L4(TCP), CtMark(Eq, 0, TProxyMark), Counter(), SetMarkFromCt())
+		t.add(mangleOut, L4(TCP), CtMark(Eq, 0, istio.TProxyMark), Counter(), SetMarkFromCt())
 	}
-	t.add(scRedirect, L4(TCP), Counter(), Redirect(SidecarOutboundPort))
-	t.add(scInRedirect, L4(TCP), Counter(), Redirect(SidecarInboundPort))
+	t.add(scRedirect, L4(TCP), Counter(), Redirect(istio.SidecarOutboundPort))
+	t.add(scInRedirect, L4(TCP), Counter(), Redirect(istio.SidecarInboundPort))
 
 	// Outbound.
 	t.add(natOut, Counter(), Jump(scOutput))
@@ -195,7 +180,7 @@ func Sidecar(s SidecarSpec) *Ruleset {
 		// The proxy calling its own pod over lo is inbound traffic: send it
 		// to the inbound listener; other lo traffic of the proxy is left alone.
 		for _, v4 := range fams {
-			r := []Term{IfName(false, Eq, "lo"), Addr(false, Neq, loopback(v4)), DPort(TCP, Neq, HBONEPort)}
+			r := []Term{IfName(false, Eq, "lo"), Addr(false, Neq, loopback(v4)), DPort(TCP, Neq, istio.HBONEPort)}
 			if s.DNSCapture {
 				r = append(r, DPort(TCP, Neq, 53))
 			}
@@ -213,13 +198,13 @@ func Sidecar(s SidecarSpec) *Ruleset {
 	}
 	if s.DNSCapture {
 		t.add(scOutput, Counter(), Jump(scOutputDNS))
-		t.add(scOutputDNS, DPort(TCP, Eq, 53), Counter(), Redirect(DNSCapturePort))
-		t.add(scOutputDNS, DPort(UDP, Eq, 53), Counter(), Redirect(DNSCapturePort))
+		t.add(scOutputDNS, DPort(TCP, Eq, 53), Counter(), Redirect(istio.DNSCapturePort))
+		t.add(scOutputDNS, DPort(UDP, Eq, 53), Counter(), Redirect(istio.DNSCapturePort))
 		t.add(rawOut, Counter(), Jump(scRawDNS))
 		t.add(scRawDNS, DPort(UDP, Eq, 53), SkUID(Eq, s.ProxyUID), Counter(), SetCtZone(1))
-		t.add(scRawDNS, SPort(UDP, Eq, DNSCapturePort), SkUID(Eq, s.ProxyUID), Counter(), SetCtZone(2))
+		t.add(scRawDNS, SPort(UDP, Eq, istio.DNSCapturePort), SkUID(Eq, s.ProxyUID), Counter(), SetCtZone(2))
 		t.add(scRawDNS, DPort(UDP, Eq, 53), SkGID(Eq, s.ProxyGID), Counter(), SetCtZone(1))
-		t.add(scRawDNS, SPort(UDP, Eq, DNSCapturePort), SkGID(Eq, s.ProxyGID), Counter(), SetCtZone(2))
+		t.add(scRawDNS, SPort(UDP, Eq, istio.DNSCapturePort), SkGID(Eq, s.ProxyGID), Counter(), SetCtZone(2))
 		t.add(scRawDNS, DPort(UDP, Eq, 53), Counter(), SetCtZone(2))
 		t.add(rawPre, Counter(), Jump(scRawIn))
 		t.add(scRawIn, SPort(UDP, Eq, 53), Counter(), SetCtZone(1))
@@ -245,7 +230,7 @@ func Sidecar(s SidecarSpec) *Ruleset {
 	rs := &Ruleset{Tables: []*Table{t}}
 	if tproxy {
 		for _, v4 := range fams {
-			rs.Routes = append(rs.Routes, Route{Mark: TProxyMark, Mask: 0xffffffff, Table: TProxyRouteTable, Priority: RulePriority, V6: !v4})
+			rs.Routes = append(rs.Routes, Route{Mark: istio.TProxyMark, Mask: 0xffffffff, Table: istio.TProxyRouteTable, Priority: istio.RulePriority, V6: !v4})
 		}
 	}
 	return rs

@@ -16,27 +16,12 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 
+	"github.com/nftcni/nftcni/istio"
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
 
-// Labels and annotations Istio defines.
 const (
-	LabelDataplaneMode  = "istio.io/dataplane-mode"
-	DataplaneAmbient    = "ambient"
-	DataplaneNone       = "none"
-	AnnRedirection      = "ambient.istio.io/redirection"
-	AnnDNSCapture       = "ambient.istio.io/dns-capture"
-	AnnBypassInbound    = "ambient.istio.io/bypass-inbound-capture"
-	AnnSidecarInject    = "sidecar.istio.io/inject"
-	ztunnelAppLabel     = "ztunnel"
-	proxyContainer      = "istio-proxy"
-	initContainer       = "istio-init"
-	defaultProxyID      = 1337
-	envDNSCapture       = "ISTIO_META_DNS_CAPTURE"
-	envInvalidDrop      = "INVALID_DROP"
-	envDisableEnvoy     = "DISABLE_ENVOY"
-	defaultSystemNS     = "istio-system"
 	defaultExcludedNS   = "kube-system"
 	selectorDescription = "{podSelector, namespaceSelector}"
 )
@@ -54,12 +39,12 @@ func DefaultSelectors() []Selector {
 	return []Selector{
 		{
 			NamespaceSelector: &metav1.LabelSelector{},
-			PodSelector:       &metav1.LabelSelector{MatchLabels: map[string]string{LabelDataplaneMode: DataplaneAmbient}},
+			PodSelector:       &metav1.LabelSelector{MatchLabels: map[string]string{istio.LabelDataplaneMode: istio.DataplaneAmbient}},
 		},
 		{
-			NamespaceSelector: &metav1.LabelSelector{MatchLabels: map[string]string{LabelDataplaneMode: DataplaneAmbient}},
+			NamespaceSelector: &metav1.LabelSelector{MatchLabels: map[string]string{istio.LabelDataplaneMode: istio.DataplaneAmbient}},
 			PodSelector: &metav1.LabelSelector{MatchExpressions: []metav1.LabelSelectorRequirement{
-				{Key: LabelDataplaneMode, Operator: metav1.LabelSelectorOpNotIn, Values: []string{DataplaneNone}},
+				{Key: istio.LabelDataplaneMode, Operator: metav1.LabelSelectorOpNotIn, Values: []string{istio.DataplaneNone}},
 			}},
 		},
 	}
@@ -78,7 +63,7 @@ type Config struct {
 // DefaultConfig is istio-cni's default.
 func DefaultConfig() Config {
 	return Config{Selectors: DefaultSelectors(), ExcludeNamespaces: []string{defaultExcludedNS},
-		SystemNamespace: defaultSystemNS, DNSCapture: true, IPv6: true}
+		SystemNamespace: istio.SystemNamespace, DNSCapture: true, IPv6: true}
 }
 
 type compiled struct {
@@ -149,7 +134,7 @@ func (p *Policy) NamespaceEnrols(ns *corev1.Namespace) bool {
 
 // IsZtunnel says whether pod is one of ztunnel's own.
 func (p *Policy) IsZtunnel(pod *corev1.Pod) bool {
-	return pod.Namespace == p.cfg.SystemNamespace && pod.Labels["app"] == ztunnelAppLabel
+	return pod.Namespace == p.cfg.SystemNamespace && pod.Labels["app"] == istio.ZtunnelAppLabel
 }
 
 // SelectorsMatch is the ambient selector test alone (no exclusions).
@@ -180,22 +165,22 @@ func (p *Policy) Decide(pod *corev1.Pod, ns *corev1.Namespace, ips []netip.Prefi
 	case p.IsZtunnel(pod):
 		return none("ztunnel's own pod")
 	}
-	if _, injected := pod.Annotations[nft.AnnSidecarStatus]; injected {
+	if _, injected := pod.Annotations[istio.AnnSidecarStatus]; injected {
 		return p.sidecar(pod, ips)
 	}
 	if !p.SelectorsMatch(pod, ns) {
 		return none("no enablement selector matches")
 	}
 	spec := nft.AmbientSpec{DNSCapture: p.cfg.DNSCapture, IPv6: p.cfg.IPv6 && wire.HasIPv6(ips)}
-	if v, ok := pod.Annotations[AnnDNSCapture]; ok {
+	if v, ok := pod.Annotations[istio.AnnDNSCapture]; ok {
 		if b, err := strconv.ParseBool(v); err == nil {
 			spec.DNSCapture = b
 		}
 	}
-	if b, err := strconv.ParseBool(pod.Annotations[AnnBypassInbound]); err == nil {
+	if b, err := strconv.ParseBool(pod.Annotations[istio.AnnBypassInbound]); err == nil {
 		spec.IngressBypass = b
 	}
-	for _, i := range strings.Split(pod.Annotations[nft.AnnRerouteInterfaces], ",") {
+	for _, i := range strings.Split(pod.Annotations[istio.AnnRerouteInterfaces], ",") {
 		if i = strings.TrimSpace(i); i != "" {
 			spec.VirtualInterfaces = append(spec.VirtualInterfaces, i)
 		}
@@ -211,17 +196,17 @@ func (p *Policy) sidecar(pod *corev1.Pod, ips []netip.Prefix) *wire.Decision {
 	var proxy *corev1.Container
 	for i := range all {
 		switch all[i].Name {
-		case initContainer:
+		case istio.InitContainer:
 			return none("sidecar injected with istio-init, which captures traffic itself")
-		case proxyContainer:
+		case istio.ProxyContainer:
 			proxy = &all[i]
 		}
 	}
 	if proxy == nil {
 		return none("sidecar status annotation but no istio-proxy container")
 	}
-	inject := pod.Annotations[AnnSidecarInject]
-	if v, ok := pod.Labels[AnnSidecarInject]; ok {
+	inject := pod.Annotations[istio.AnnSidecarInject]
+	if v, ok := pod.Labels[istio.AnnSidecarInject]; ok {
 		inject = v
 	}
 	if b, err := strconv.ParseBool(inject); err == nil && !b {
@@ -239,11 +224,11 @@ func (p *Policy) sidecar(pod *corev1.Pod, ips []netip.Prefix) *wire.Decision {
 		}
 		return false
 	}
-	if env(envDisableEnvoy) {
+	if env(istio.EnvDisableEnvoy) {
 		return none("DISABLE_ENVOY is set on istio-proxy")
 	}
-	px := nft.SidecarProxy{UID: defaultProxyID, GID: defaultProxyID, DNSCapture: env(envDNSCapture),
-		DropInvalid: env(envInvalidDrop), IPv6: wire.HasIPv6(ips)}
+	px := nft.SidecarProxy{UID: istio.ProxyID, GID: istio.ProxyID, DNSCapture: env(istio.EnvDNSCapture),
+		DropInvalid: env(istio.EnvInvalidDrop), IPv6: wire.HasIPv6(ips)}
 	if sc := proxy.SecurityContext; sc != nil {
 		if sc.RunAsUser != nil && *sc.RunAsUser > 0 {
 			px.UID = uint32(*sc.RunAsUser)

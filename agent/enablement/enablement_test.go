@@ -7,6 +7,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/nftcni/nftcni/istio"
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
@@ -20,7 +21,7 @@ func pod(namespace string, labels, ann map[string]string) *corev1.Pod {
 }
 
 var (
-	ambientNS = ns("mesh", map[string]string{LabelDataplaneMode: DataplaneAmbient})
+	ambientNS = ns("mesh", map[string]string{istio.LabelDataplaneMode: istio.DataplaneAmbient})
 	plainNS   = ns("plain", nil)
 	v4        = []netip.Prefix{netip.MustParsePrefix("10.0.0.5/24")}
 	dual      = append(v4, netip.MustParsePrefix("fd00::5/64"))
@@ -37,8 +38,8 @@ func mustCompile(t *testing.T, c Config) *Policy {
 
 func TestDefaultSelectors(t *testing.T) {
 	p := mustCompile(t, DefaultConfig())
-	ambient := map[string]string{LabelDataplaneMode: DataplaneAmbient}
-	optOut := map[string]string{LabelDataplaneMode: DataplaneNone}
+	ambient := map[string]string{istio.LabelDataplaneMode: istio.DataplaneAmbient}
+	optOut := map[string]string{istio.LabelDataplaneMode: istio.DataplaneNone}
 	for _, tc := range []struct {
 		name string
 		pod  *corev1.Pod
@@ -70,14 +71,14 @@ func TestDefaultSelectors(t *testing.T) {
 func TestAmbientOverrides(t *testing.T) {
 	p := mustCompile(t, DefaultConfig())
 	d := p.Decide(pod("mesh", nil, map[string]string{
-		AnnDNSCapture: "false", AnnBypassInbound: "true", nft.AnnRerouteInterfaces: "tun0, ,kubevirt0",
+		istio.AnnDNSCapture: "false", istio.AnnBypassInbound: "true", istio.AnnRerouteInterfaces: "tun0, ,kubevirt0",
 	}), ambientNS, dual)
 	want := nft.AmbientSpec{DNSCapture: false, IPv6: true, IngressBypass: true, VirtualInterfaces: []string{"tun0", "kubevirt0"}}
 	if d.Mode != wire.ModeAmbient || d.Ambient == nil || !equalSpec(*d.Ambient, want) {
 		t.Errorf("overrides: %+v", d.Ambient)
 	}
 	// Non-boolean values are ignored; IPv6 only with a v6 address.
-	d = p.Decide(pod("mesh", nil, map[string]string{AnnDNSCapture: "maybe"}), ambientNS, v4)
+	d = p.Decide(pod("mesh", nil, map[string]string{istio.AnnDNSCapture: "maybe"}), ambientNS, v4)
 	if !d.Ambient.DNSCapture || d.Ambient.IPv6 {
 		t.Errorf("defaults: %+v", d.Ambient)
 	}
@@ -105,7 +106,7 @@ func TestSidecarFromPodSpec(t *testing.T) {
 	p := mustCompile(t, DefaultConfig())
 	uid, gid := int64(2000), int64(3000)
 	injected := func(mut func(*corev1.Pod)) *corev1.Pod {
-		x := pod("mesh", nil, map[string]string{nft.AnnSidecarStatus: `{}`})
+		x := pod("mesh", nil, map[string]string{istio.AnnSidecarStatus: `{}`})
 		x.Spec.InitContainers = []corev1.Container{{Name: "istio-validation"}}
 		x.Spec.Containers = []corev1.Container{{Name: "app"}, {Name: "istio-proxy", Args: []string{"proxy", "sidecar"},
 			Env:             []corev1.EnvVar{{Name: "ISTIO_META_DNS_CAPTURE", Value: "true"}, {Name: "INVALID_DROP", Value: "true"}},
@@ -127,7 +128,7 @@ func TestSidecarFromPodSpec(t *testing.T) {
 		"istio-init":   func(x *corev1.Pod) { x.Spec.InitContainers = []corev1.Container{{Name: "istio-init"}} },
 		"no proxy":     func(x *corev1.Pod) { x.Spec.Containers = x.Spec.Containers[:1] },
 		"router":       func(x *corev1.Pod) { x.Spec.Containers[1].Args = []string{"proxy", "router"} },
-		"inject=false": func(x *corev1.Pod) { x.Labels = map[string]string{AnnSidecarInject: "false"} },
+		"inject=false": func(x *corev1.Pod) { x.Labels = map[string]string{istio.AnnSidecarInject: "false"} },
 		"DISABLE_ENVOY": func(x *corev1.Pod) {
 			x.Spec.Containers[1].Env = []corev1.EnvVar{{Name: "DISABLE_ENVOY", Value: "true"}}
 		},

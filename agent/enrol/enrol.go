@@ -39,6 +39,7 @@ import (
 	"github.com/nftcni/nftcni/agent/events"
 	"github.com/nftcni/nftcni/agent/records"
 	"github.com/nftcni/nftcni/agent/zds"
+	"github.com/nftcni/nftcni/istio"
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
@@ -309,11 +310,11 @@ func (e *Enroller) annotate(ctx context.Context, p *pod, state string) error {
 	if kp == nil {
 		return nil // gone: nothing to annotate
 	}
-	if have, ok := kp.Annotations[enablement.AnnRedirection]; (state == "" && !ok) || (state != "" && ok && have == state) {
+	if have, ok := kp.Annotations[istio.AnnRedirection]; (state == "" && !ok) || (state != "" && ok && have == state) {
 		return nil
 	}
 	if err := e.opts.Annotator.SetRedirection(ctx, p.id.Namespace, p.id.Name, state); err != nil {
-		return fmt.Errorf("annotating pod %s %s=%q: %w", p.id.Key(), enablement.AnnRedirection, state, err)
+		return fmt.Errorf("annotating pod %s %s=%q: %w", p.id.Key(), istio.AnnRedirection, state, err)
 	}
 	return nil
 }

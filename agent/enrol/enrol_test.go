@@ -20,6 +20,7 @@ import (
 	"github.com/nftcni/nftcni/agent/podsource"
 	"github.com/nftcni/nftcni/agent/records"
 	"github.com/nftcni/nftcni/agent/zds"
+	"github.com/nftcni/nftcni/istio"
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
@@ -131,12 +132,12 @@ func (a *fakeAnnotator) SetRedirection(ctx context.Context, namespace, name, sta
 	if kp := a.store.Pod(namespace, name); kp != nil { // as the informer would see it
 		kp = kp.DeepCopy()
 		if state == "" {
-			delete(kp.Annotations, enablement.AnnRedirection)
+			delete(kp.Annotations, istio.AnnRedirection)
 		} else {
 			if kp.Annotations == nil {
 				kp.Annotations = map[string]string{}
 			}
-			kp.Annotations[enablement.AnnRedirection] = state
+			kp.Annotations[istio.AnnRedirection] = state
 		}
 		a.store.PutPod(kp)
 	}
@@ -199,7 +200,7 @@ func (r *rig) enroller() *Enroller {
 func (r *rig) namespace(name string, ambient bool) {
 	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{}}}
 	if ambient {
-		ns.Labels[enablement.LabelDataplaneMode] = enablement.DataplaneAmbient
+		ns.Labels[istio.LabelDataplaneMode] = istio.DataplaneAmbient
 	}
 	r.store.PutNamespace(ns)
 }

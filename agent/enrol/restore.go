@@ -11,9 +11,9 @@ import (
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
-	"github.com/nftcni/nftcni/agent/enablement"
 	"github.com/nftcni/nftcni/agent/records"
 	"github.com/nftcni/nftcni/agent/zds"
+	"github.com/nftcni/nftcni/istio"
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
@@ -179,7 +179,7 @@ func (e *Enroller) AdoptAnnotated(ctx context.Context) (adopted, kept, cleared i
 	}
 	for _, kp := range e.store.Pods() {
 		key := kp.Namespace + "/" + kp.Name
-		if _, ok := kp.Annotations[enablement.AnnRedirection]; !ok || enrolled[key] {
+		if _, ok := kp.Annotations[istio.AnnRedirection]; !ok || enrolled[key] {
 			continue
 		}
 		ips := podIPs(kp)

@@ -22,7 +22,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/workqueue"
 
-	"github.com/nftcni/nftcni/agent/enablement"
+	"github.com/nftcni/nftcni/istio"
 )
 
 // Source watches Kubernetes. It implements mesh.Store and mesh.Annotator.
@@ -194,7 +194,7 @@ func (s *Source) SetRedirection(ctx context.Context, namespace, name, state stri
 	if state != "" {
 		v = state
 	}
-	patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"annotations": map[string]any{enablement.AnnRedirection: v}}})
+	patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"annotations": map[string]any{istio.AnnRedirection: v}}})
 	err := s.api.PatchPodStatus(ctx, namespace, name, patch)
 	if err != nil && state == "" && apierrors.IsNotFound(err) {
 		return nil

@@ -25,11 +25,13 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/nftcni/nftcni/istio"
 )
 
 // Defaults: Istio's taint, and our condition.
 const (
-	DefaultTaint     = "cni.istio.io/not-ready:NoSchedule"
+	DefaultTaint     = istio.NotReadyTaint + ":NoSchedule"
 	DefaultCondition = "nftcni.io/NetworkReady"
 )
 

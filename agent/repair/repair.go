@@ -20,6 +20,8 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/nftcni/nftcni/istio"
 )
 
 // Config is istio-cni's repair configuration, with its defaults.
@@ -42,8 +44,8 @@ type Config struct {
 
 // DefaultConfig is istio-cni's (its ValidationErrorCode is 126).
 func DefaultConfig() Config {
-	return Config{Enabled: true, RepairPods: true, LabelKey: "cni.istio.io/uninitialized", LabelValue: "true",
-		SidecarAnnotation: "sidecar.istio.io/status", InitContainerName: "istio-validation", InitExitCode: 126}
+	return Config{Enabled: true, RepairPods: true, LabelKey: istio.LabelUninitialized, LabelValue: "true",
+		SidecarAnnotation: istio.AnnSidecarStatus, InitContainerName: istio.ValidationContainer, InitExitCode: istio.ValidationErrorCode}
 }
 
 // API is what repairing asks of the API server (package kube implements it).

@@ -20,7 +20,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/nftcni/nftcni/agent/zds"
-	"github.com/nftcni/nftcni/nft"
+	"github.com/nftcni/nftcni/istio"
 )
 
 // Event is one request ztunnel received.
@@ -277,7 +277,7 @@ func (p *Pod) listen() error {
 			for _, o := range [][3]int{
 				{unix.SOL_IP, unix.IP_TRANSPARENT, 1},
 				{unix.SOL_IPV6, unix.IPV6_TRANSPARENT, 1},
-				{unix.SOL_SOCKET, unix.SO_MARK, int(nft.ZtunnelMark)},
+				{unix.SOL_SOCKET, unix.SO_MARK, int(istio.ZtunnelMark)},
 				{unix.SOL_SOCKET, unix.SO_REUSEPORT, 1},
 			} {
 				if e := unix.SetsockoptInt(int(fd), o[0], o[1], o[2]); e != nil && serr == nil && o[1] != unix.IPV6_TRANSPARENT {

@@ -4,7 +4,7 @@ import (
 	"encoding/json"
 	"slices"
 
-	"github.com/nftcni/nftcni/nft"
+	"github.com/nftcni/nftcni/istio"
 )
 
 // sidecarStatus is the part of the injector's sidecar.istio.io/status
@@ -34,7 +34,7 @@ const (
 
 // SidecarInjection reads the injection status, and why in words.
 func SidecarInjection(ann map[string]string) (Injection, string) {
-	raw, ok := ann[nft.AnnSidecarStatus]
+	raw, ok := ann[istio.AnnSidecarStatus]
 	if !ok {
 		return NotInjected, ""
 	}
@@ -43,10 +43,10 @@ func SidecarInjection(ann map[string]string) (Injection, string) {
 		return NotInjected, ""
 	}
 	switch {
-	case slices.Contains(st.InitContainers, "istio-init"):
+	case slices.Contains(st.InitContainers, istio.InitContainer):
 		return CapturesItself, "sidecar injected with istio-init, which captures traffic itself"
-	case !slices.Contains(st.Containers, "istio-proxy"):
+	case !slices.Contains(st.Containers, istio.ProxyContainer):
 		return NoProxy, "sidecar status lists no istio-proxy container"
 	}
-	return Sidecar, "sidecar injected (" + nft.AnnSidecarStatus + " lists istio-proxy)"
+	return Sidecar, "sidecar injected (" + istio.AnnSidecarStatus + " lists istio-proxy)"
 }

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nftcni/nftcni/istio"
 	"github.com/nftcni/nftcni/nft"
 )
 
@@ -91,10 +92,10 @@ func TestSidecarInjection(t *testing.T) {
 	}{
 		{"no annotations", nil, NotInjected},
 		{"not injected", map[string]string{"a": "b"}, NotInjected},
-		{"unreadable status", map[string]string{nft.AnnSidecarStatus: "{"}, NotInjected},
-		{"injected", map[string]string{nft.AnnSidecarStatus: `{"initContainers":["istio-validation"],"containers":["istio-proxy"]}`}, Sidecar},
-		{"istio-init", map[string]string{nft.AnnSidecarStatus: `{"initContainers":["istio-init"],"containers":["istio-proxy"]}`}, CapturesItself},
-		{"no proxy", map[string]string{nft.AnnSidecarStatus: `{"containers":["app"]}`}, NoProxy},
+		{"unreadable status", map[string]string{istio.AnnSidecarStatus: "{"}, NotInjected},
+		{"injected", map[string]string{istio.AnnSidecarStatus: `{"initContainers":["istio-validation"],"containers":["istio-proxy"]}`}, Sidecar},
+		{"istio-init", map[string]string{istio.AnnSidecarStatus: `{"initContainers":["istio-init"],"containers":["istio-proxy"]}`}, CapturesItself},
+		{"no proxy", map[string]string{istio.AnnSidecarStatus: `{"containers":["app"]}`}, NoProxy},
 	} {
 		got, why := SidecarInjection(tc.ann)
 		if got != tc.want || (got != NotInjected && why == "") {

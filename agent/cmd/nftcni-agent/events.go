@@ -18,6 +18,7 @@ import (
 	"github.com/nftcni/nftcni/agent/repair"
 	"github.com/nftcni/nftcni/agent/runlock"
 	"github.com/nftcni/nftcni/agent/zds"
+	"github.com/nftcni/nftcni/istio"
 )
 
 // ambientFlags are the enrolment settings, named as istio-cni names them.
@@ -35,7 +36,7 @@ func (a *ambientFlags) register(f *flagSet) {
 	f.str(&a.kubeconfig, "kubeconfig", "KUBECONFIG", "", "kubeconfig to watch pods and namespaces with (default: in-cluster config when running in a pod)")
 	f.str(&a.podSource, "pod-source", "POD_SOURCE", "", "directory of Pod and Namespace manifests to enrol from instead of Kubernetes, for hosts without it (watched)")
 	f.str(&a.nodeName, "node-name", "NODE_NAME", "", "this node's name: pods bound to other nodes are ignored")
-	f.str(&a.systemNamespace, "system-namespace", "SYSTEM_NAMESPACE", "istio-system", "ztunnel's namespace; its pods are never enrolled")
+	f.str(&a.systemNamespace, "system-namespace", "SYSTEM_NAMESPACE", istio.SystemNamespace, "ztunnel's namespace; its pods are never enrolled")
 	f.str(&a.selectors, "ambient-enablement-selector", "AMBIENT_ENABLEMENT_SELECTOR", "", "JSON list of {podSelector, namespaceSelector}; empty: Istio's defaults on istio.io/dataplane-mode")
 	f.boolean(&a.dnsCapture, "ambient-dns-capture", "AMBIENT_DNS_CAPTURE", true, "capture DNS to ztunnel's 15053 unless a pod says otherwise")
 	ipv6Flag(f, &a.ipv6)
