@@ -10,6 +10,8 @@ import (
 	"testing"
 
 	"github.com/tidwall/gjson"
+
+	"github.com/nftcni/nftcni/internal/atomicfile"
 )
 
 var update = flag.Bool("update", false, "rewrite golden files")
@@ -221,7 +223,7 @@ func TestScanOrderAndSkips(t *testing.T) {
 	write("10-b.json", `{"name":"json","plugins":[{"type":"bridge"}]}`)
 	write("20-a.conf", `{"name":"conf","type":"bridge"}`)
 	write("00-notes.txt", `not a config`)
-	write(".10-x.conflist"+TempMarker+"abc", `{"name":`)
+	write(".10-x.conflist"+atomicfile.TempMarker+"abc", `{"name":`)
 	write("01-ours.conflist", `{"name":"ours","plugins":[{"type":"nftcni"}]}`)
 	valid, skipped, err := Scan(dir, func(n string) bool { return n == "01-ours.conflist" })
 	if err != nil {
@@ -235,5 +237,15 @@ func TestScanOrderAndSkips(t *testing.T) {
 	}
 	if _, _, err := Primary(t.TempDir(), nil); !errors.Is(err, ErrNoConfig) {
 		t.Errorf("empty dir: %v", err)
+	}
+}
+
+// A temporary file of a write in progress is never a config a runtime
+// would load.
+func TestTempNamesAreNeverLoaded(t *testing.T) {
+	for _, base := range []string{"10-a.conflist", "10-a.conf", "10-a.json"} {
+		if name := "." + base + atomicfile.TempMarker + "aaaa"; Loadable(name) {
+			t.Errorf("%s would be loaded by a runtime", name)
+		}
 	}
 }

@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/nftcni/nftcni/conflist"
+	"github.com/nftcni/nftcni/internal/atomicfile"
 	"github.com/nftcni/nftcni/internal/testnet"
 )
 
@@ -284,7 +285,7 @@ func TestSIGKILLAtRandomPointsLeavesValidFiles(t *testing.T) {
 		t.Cleanup(func() { _ = cmd.Process.Kill(); _, _ = cmd.Process.Wait() })
 		deadline := time.Now().Add(time.Duration(20+rng.Intn(200)) * time.Millisecond)
 		for time.Now().Before(deadline) { // the primary rewrites its file meanwhile
-			if err := conflist.WriteFile(h.path(), h.orig, nil); err != nil {
+			if err := atomicfile.WriteFile(h.path(), h.orig, nil); err != nil {
 				t.Fatal(err)
 			}
 			time.Sleep(time.Duration(rng.Intn(15)) * time.Millisecond)

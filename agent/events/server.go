@@ -25,8 +25,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/nftcni/nftcni/agent/unixsock"
-	"github.com/nftcni/nftcni/conflist"
+	"github.com/nftcni/nftcni/internal/atomicfile"
+	"github.com/nftcni/nftcni/internal/unixsock"
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
@@ -144,7 +144,7 @@ func (s *Server) count(kind wire.Kind, result string) {
 
 func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 	defer uc.Close()
-	if err := wire.RequireRoot(uc); err != nil {
+	if err := unixsock.RequireRoot(uc); err != nil {
 		s.log.Warn("refused a connection on the plugin socket", "err", err)
 		s.count("connect", "rejected")
 		return
@@ -350,5 +350,5 @@ func WritePolicy(runDir string, p *wire.Policy) error {
 	if err := os.MkdirAll(runDir, 0o750); err != nil {
 		return err
 	}
-	return conflist.WriteFile(filepath.Join(runDir, wire.PolicyName), append(b, '\n'), nil)
+	return atomicfile.WriteFile(filepath.Join(runDir, wire.PolicyName), append(b, '\n'), nil)
 }

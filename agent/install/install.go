@@ -24,6 +24,7 @@ import (
 	"github.com/tidwall/gjson"
 
 	"github.com/nftcni/nftcni/conflist"
+	"github.com/nftcni/nftcni/internal/atomicfile"
 	"github.com/nftcni/nftcni/templates"
 )
 
@@ -195,7 +196,7 @@ func (in *Installer) installBinaries() ([]string, error) {
 		if in.binaryIntact(dst) {
 			continue
 		}
-		if err := conflist.WriteFile(dst, in.binary, &conflist.FileMeta{Mode: 0o755, UID: os.Geteuid(), GID: os.Getegid()}); err != nil {
+		if err := atomicfile.WriteFile(dst, in.binary, &atomicfile.FileMeta{Mode: 0o755, UID: os.Geteuid(), GID: os.Getegid()}); err != nil {
 			if errors.Is(err, syscall.EROFS) {
 				return wrote, fmt.Errorf("installing %s: bin dir %s is read-only: on GKE the writable CNI bin dir is /home/kubernetes/bin (set --cni-bin-dir or the chart's platform profile): %w", dst, dir, err)
 			}
@@ -358,7 +359,7 @@ func (in *Installer) ensureChained(res *Result) error {
 	if bytes.Equal(c.Data, out) {
 		return nil
 	}
-	meta, err := conflist.Stat(c.Path) // keep the primary's mode and owner
+	meta, err := atomicfile.Stat(c.Path) // keep the primary's mode and owner
 	if err != nil {
 		return err
 	}
@@ -383,7 +384,7 @@ func (in *Installer) removeIstioBinary() {
 		if _, err := os.Lstat(p); err != nil {
 			continue
 		}
-		if err := conflist.RemoveFile(p); err != nil {
+		if err := atomicfile.RemoveFile(p); err != nil {
 			in.log.Warn("could not remove istio-cni's plugin binary; no conflist entry names it any more", "path", p, "err", err)
 			continue
 		}
@@ -408,16 +409,16 @@ func (in *Installer) convertSingle(c *conflist.Config, raise string, res *Result
 	if err != nil {
 		return fmt.Errorf("converting %s: %w", c.Path, err)
 	}
-	meta, err := conflist.Stat(c.Path)
+	meta, err := atomicfile.Stat(c.Path)
 	if err != nil {
 		return err
 	}
-	if err := conflist.WriteFile(listPath, out, &meta); err != nil {
+	if err := atomicfile.WriteFile(listPath, out, &meta); err != nil {
 		return err
 	}
 	_, res.Reverted = in.written[listPath] // the primary wrote X.conf again
 	in.written[listPath] = sha256.Sum256(out)
-	if err := conflist.Rename(c.Path, c.Path+BackupSuffix); err != nil {
+	if err := atomicfile.Rename(c.Path, c.Path+BackupSuffix); err != nil {
 		return fmt.Errorf("moving converted %s aside: %w", c.Path, err)
 	}
 	if raise != "" {
@@ -452,7 +453,7 @@ func (in *Installer) ensureOwned(res *Result) error {
 	}
 	path := filepath.Join(in.cfg.ConfDir, name)
 	res.Config = path
-	meta, err := conflist.Stat(c.Path)
+	meta, err := atomicfile.Stat(c.Path)
 	if err != nil {
 		return err
 	}
@@ -473,7 +474,7 @@ func (in *Installer) ensureStandalone(res *Result) error {
 	if err == nil && conflist.SameJSON(cur, in.cfg.Standalone) {
 		return nil
 	}
-	return in.write(path, cur, in.cfg.Standalone, &conflist.FileMeta{Mode: 0o644, UID: os.Geteuid(), GID: os.Getegid()}, res)
+	return in.write(path, cur, in.cfg.Standalone, &atomicfile.FileMeta{Mode: 0o644, UID: os.Geteuid(), GID: os.Getegid()}, res)
 }
 
 func (in *Installer) ensureDropIn(res *Result) error {
@@ -492,7 +493,7 @@ func (in *Installer) ensureDropIn(res *Result) error {
 		return fmt.Errorf("%s: %w", c.Path, err)
 	}
 	if st, err := os.Lstat(dir); err == nil && st.Mode()&fs.ModeSymlink != 0 {
-		return fmt.Errorf("%s: %w", dir, conflist.ErrSymlink)
+		return fmt.Errorf("%s: %w", dir, atomicfile.ErrSymlink)
 	}
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return err
@@ -503,7 +504,7 @@ func (in *Installer) ensureDropIn(res *Result) error {
 	if err == nil && conflist.SameJSON(cur, in.cfg.Entry) {
 		return nil
 	}
-	meta, err := conflist.Stat(c.Path)
+	meta, err := atomicfile.Stat(c.Path)
 	if err != nil {
 		return err
 	}
@@ -519,11 +520,11 @@ func dropInDir(confDir, network string) (string, error) {
 	return filepath.Join(confDir, network), nil
 }
 
-func (in *Installer) write(path string, cur, out []byte, meta *conflist.FileMeta, res *Result) error {
+func (in *Installer) write(path string, cur, out []byte, meta *atomicfile.FileMeta, res *Result) error {
 	if !gjson.ValidBytes(out) { // never replace a file with something worse
 		return fmt.Errorf("refusing to write invalid JSON to %s", path)
 	}
-	if err := conflist.WriteFile(path, out, meta); err != nil {
+	if err := atomicfile.WriteFile(path, out, meta); err != nil {
 		return err
 	}
 	if prev, ok := in.written[path]; ok && cur != nil && sha256.Sum256(cur) != prev {

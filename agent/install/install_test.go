@@ -19,6 +19,7 @@ import (
 	"github.com/tidwall/gjson"
 
 	"github.com/nftcni/nftcni/conflist"
+	"github.com/nftcni/nftcni/internal/atomicfile"
 	"github.com/nftcni/nftcni/templates"
 )
 
@@ -283,7 +284,7 @@ func TestSymlinkedPrimaryIsNotWrittenThrough(t *testing.T) {
 		t.Fatal(err)
 	}
 	_, err := n.installer(t, Chained, "").Install()
-	if !errors.Is(err, conflist.ErrSymlink) {
+	if !errors.Is(err, atomicfile.ErrSymlink) {
 		t.Fatalf("err = %v, want ErrSymlink", err)
 	}
 	if b, _ := os.ReadFile(target); !bytes.Equal(b, orig) {

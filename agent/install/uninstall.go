@@ -11,6 +11,7 @@ import (
 	"github.com/tidwall/gjson"
 
 	"github.com/nftcni/nftcni/conflist"
+	"github.com/nftcni/nftcni/internal/atomicfile"
 	"github.com/nftcni/nftcni/templates"
 )
 
@@ -70,7 +71,7 @@ func (in *Installer) removeOwnFile(name string) error {
 	}
 	in.log.Info("removing nftcni config", "path", p)
 	delete(in.written, p)
-	return conflist.RemoveFile(p)
+	return atomicfile.RemoveFile(p)
 }
 
 func (in *Installer) removeDropIns() error {
@@ -93,7 +94,7 @@ func (in *Installer) removeDropIns() error {
 			continue
 		}
 		in.log.Info("removing nftcni drop-in", "path", p)
-		errs = append(errs, conflist.RemoveFile(p))
+		errs = append(errs, atomicfile.RemoveFile(p))
 		_ = os.Remove(dir) // only succeeds when empty: the dir was ours alone
 	}
 	return errors.Join(errs...)
@@ -129,9 +130,9 @@ func (in *Installer) removeChainedEntries() error {
 			err = fmt.Errorf("%s holds only nftcni; leaving it for an operator to delete", c.Path)
 		}
 		if err == nil {
-			var meta conflist.FileMeta
-			if meta, err = conflist.Stat(c.Path); err == nil {
-				err = conflist.WriteFile(c.Path, out, &meta)
+			var meta atomicfile.FileMeta
+			if meta, err = atomicfile.Stat(c.Path); err == nil {
+				err = atomicfile.WriteFile(c.Path, out, &meta)
 			}
 		}
 		if err != nil {
@@ -159,16 +160,16 @@ func (in *Installer) restoreBackup(backup string, restored map[string]bool) erro
 		}
 		delete(in.written, list)
 		in.log.Info("restored converted config", "path", orig, "removed", list)
-		return conflist.RemoveFile(list)
+		return atomicfile.RemoveFile(list)
 	}
 	return in.putBack(backup, orig)
 }
 
 func (in *Installer) putBack(backup, orig string) error {
 	if _, err := os.Lstat(orig); err == nil {
-		return conflist.RemoveFile(backup) // a newer original exists
+		return atomicfile.RemoveFile(backup) // a newer original exists
 	}
-	return conflist.Rename(backup, orig)
+	return atomicfile.Rename(backup, orig)
 }
 
 func (in *Installer) removeBinaries() error {
@@ -180,7 +181,7 @@ func (in *Installer) removeBinaries() error {
 		p := filepath.Join(dir, templates.PluginType)
 		if st, err := os.Lstat(p); err == nil && st.Mode().IsRegular() {
 			in.log.Info("removing plugin binary", "path", p)
-			errs = append(errs, conflist.RemoveFile(p))
+			errs = append(errs, atomicfile.RemoveFile(p))
 		}
 	}
 	return errors.Join(errs...)

@@ -15,6 +15,7 @@ import (
 	"golang.org/x/time/rate"
 
 	"github.com/nftcni/nftcni/conflist"
+	"github.com/nftcni/nftcni/internal/atomicfile"
 	"github.com/nftcni/nftcni/templates"
 )
 
@@ -119,7 +120,7 @@ func (in *Installer) Run(ctx context.Context, lc LoopConfig, m *Metrics, st *Sta
 		st = &State{}
 	}
 	for _, d := range append([]string{in.cfg.ConfDir}, in.cfg.BinDirs...) {
-		if err := conflist.RemoveStaleTemps(d); err != nil {
+		if err := atomicfile.RemoveStaleTemps(d); err != nil {
 			in.log.Warn("could not remove stale temp files", "dir", d, "err", err)
 		}
 	}
@@ -285,7 +286,7 @@ func (in *Installer) waitForChange(ctx context.Context, w *fsnotify.Watcher, dir
 
 func (in *Installer) relevant(ev fsnotify.Event, dirs []string) bool {
 	name := filepath.Base(ev.Name)
-	if strings.Contains(name, conflist.TempMarker) || ev.Op == fsnotify.Chmod {
+	if strings.Contains(name, atomicfile.TempMarker) || ev.Op == fsnotify.Chmod {
 		return false
 	}
 	dir := filepath.Dir(ev.Name)

@@ -15,6 +15,7 @@ import (
 	"os"
 	"path/filepath"
 
+	"github.com/nftcni/nftcni/internal/atomicfile"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
 
@@ -44,7 +45,8 @@ func Open(runDir string) (*Dir, error) {
 	if err := os.MkdirAll(d.dir, 0o700); err != nil {
 		return nil, err
 	}
-	tmps, _ := filepath.Glob(filepath.Join(d.dir, "*.tmp"))
+	// The run dir's lock is held: no other writer is midway.
+	tmps, _ := filepath.Glob(filepath.Join(d.dir, "*"+atomicfile.TempMarker+"*"))
 	for _, t := range tmps {
 		_ = os.Remove(t)
 	}
@@ -56,21 +58,15 @@ func (d *Dir) path(a wire.Attachment) string {
 	return filepath.Join(d.dir, hex.EncodeToString(sum[:12])+".json")
 }
 
-// Save writes r in place of the attachment's record. A process crash
-// leaves the old file or the new one (rename); it is not fsynced, because
-// a machine crash restarts every pod anyway.
+// Save writes r in place of the attachment's record: a process crash
+// leaves the old file or the new one, never through a symlink. It is not
+// fsynced, because a machine crash restarts every pod anyway.
 func (d *Dir) Save(r *Record) error {
 	b, err := json.Marshal(r)
 	if err != nil {
 		return err
 	}
-	path := d.path(r.Pod.Attachment)
-	tmp := path + ".tmp"
-	if err := os.WriteFile(tmp, b, 0o600); err != nil {
-		return fmt.Errorf("recording pod %s: %w", r.Pod.Key(), err)
-	}
-	if err := os.Rename(tmp, path); err != nil {
-		_ = os.Remove(tmp)
+	if err := atomicfile.Replace(d.path(r.Pod.Attachment), b, 0o600); err != nil {
 		return fmt.Errorf("recording pod %s: %w", r.Pod.Key(), err)
 	}
 	return nil

@@ -6,6 +6,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/nftcni/nftcni/internal/atomicfile"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
 
@@ -57,7 +58,8 @@ func TestCrashLeftoversAndBadFiles(t *testing.T) {
 	if err := d.Save(old); err != nil {
 		t.Fatal(err)
 	}
-	half := d.path(old.Pod.Attachment) + ".tmp"
+	path := d.path(old.Pod.Attachment)
+	half := filepath.Join(filepath.Dir(path), "."+filepath.Base(path)+atomicfile.TempMarker+"0123")
 	if err := os.WriteFile(half, []byte(`{"pod":{"namesp`), 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -80,6 +82,30 @@ func TestCrashLeftoversAndBadFiles(t *testing.T) {
 	}
 	if len(bad) != 1 || !strings.Contains(bad[0].Error(), "broken.json") {
 		t.Errorf("bad %v", bad)
+	}
+}
+
+// The run dir is on the host: a symlink where a record goes is neither
+// written through nor replaced.
+func TestSaveRefusesASymlink(t *testing.T) {
+	run := t.TempDir()
+	d, err := Open(run)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := rec("a", wire.ModeAmbient)
+	target := filepath.Join(run, "elsewhere")
+	if err := os.WriteFile(target, []byte("keep"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(target, d.path(r.Pod.Attachment)); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Save(r); err == nil {
+		t.Error("Save wrote over a symlink")
+	}
+	if b, _ := os.ReadFile(target); string(b) != "keep" {
+		t.Errorf("the symlink's target was written: %q", b)
 	}
 }
 

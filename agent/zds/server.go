@@ -16,8 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sys/unix"
 
-	"github.com/nftcni/nftcni/agent/unixsock"
-	"github.com/nftcni/nftcni/plugin/wire"
+	"github.com/nftcni/nftcni/internal/unixsock"
 )
 
 // DefaultSocket is where ztunnel looks for us (its INPOD_UDS).
@@ -121,7 +120,7 @@ func (s *Server) Connected() bool {
 // handshake runs hello and the snapshot, then registers the connection as
 // the newest and watches it for hang-up.
 func (s *Server) handshake(ctx context.Context, uc *net.UnixConn) {
-	if err := wire.RequireRoot(uc); err != nil {
+	if err := unixsock.RequireRoot(uc); err != nil {
 		s.log.Warn("refused a ZDS connection", "err", err)
 		uc.Close()
 		return
@@ -532,16 +531,7 @@ func (c *conn) recv() ([]byte, []int, error) {
 	buf := make([]byte, MaxMessage)
 	oob := make([]byte, unix.CmsgSpace(4*4))
 	n, oobn, flags, _, err := c.uc.ReadMsgUnix(buf, oob)
-	var fds []int
-	if oobn > 0 {
-		if msgs, perr := unix.ParseSocketControlMessage(oob[:oobn]); perr == nil {
-			for i := range msgs {
-				if f, err := unix.ParseUnixRights(&msgs[i]); err == nil {
-					fds = append(fds, f...)
-				}
-			}
-		}
-	}
+	fds, _ := unixsock.Rights(oob[:oobn]) // ztunnel sends none; any are closed
 	if err != nil {
 		return nil, fds, err
 	}

@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/nftcni/nftcni/internal/unixsock"
 )
 
 // maxFDs is how many descriptors one message may carry before the rest are
@@ -49,35 +51,11 @@ func Dial(path string, timeout time.Duration) (*Conn, error) {
 		c.Close()
 		return nil, &net.OpError{Op: "dial", Net: "unixpacket", Addr: &net.UnixAddr{Name: path, Net: "unixpacket"}, Err: os.NewSyscallError("connect", err)}
 	}
-	if err := requireRoot(fd); err != nil {
+	if err := unixsock.PeerIsRoot(fd); err != nil {
 		c.Close()
 		return nil, fmt.Errorf("agent socket %s: %w", path, err)
 	}
 	return c, nil
-}
-
-// RequireRoot checks the peer's credentials (SO_PEERCRED): uid 0 only.
-func RequireRoot(uc *net.UnixConn) error {
-	rc, err := uc.SyscallConn()
-	if err != nil {
-		return err
-	}
-	var serr error
-	if err := rc.Control(func(fd uintptr) { serr = requireRoot(int(fd)) }); err != nil {
-		return err
-	}
-	return serr
-}
-
-func requireRoot(fd int) error {
-	cred, err := unix.GetsockoptUcred(fd, unix.SOL_SOCKET, unix.SO_PEERCRED)
-	if err != nil {
-		return fmt.Errorf("reading peer credentials: %w", err)
-	}
-	if cred.Uid != 0 {
-		return fmt.Errorf("peer pid %d runs as uid %d, not root", cred.Pid, cred.Uid)
-	}
-	return nil
 }
 
 // SetDeadline bounds every following Send and Recv.
@@ -181,7 +159,7 @@ func (c *Conn) RecvBytes() ([]byte, *os.File, error) {
 			return err
 		})
 	}
-	fds, perr := parseRights(oob[:oobn])
+	fds, perr := unixsock.Rights(oob[:oobn])
 	closeAll := func() {
 		for _, fd := range fds {
 			unix.Close(fd)
@@ -262,25 +240,4 @@ func timeout(err error) error {
 		return os.ErrDeadlineExceeded
 	}
 	return err
-}
-
-func parseRights(oob []byte) ([]int, error) {
-	if len(oob) == 0 {
-		return nil, nil
-	}
-	msgs, err := unix.ParseSocketControlMessage(oob)
-	if err != nil {
-		return nil, fmt.Errorf("parsing control message: %w", err)
-	}
-	var fds []int
-	var bad error
-	for i := range msgs {
-		got, err := unix.ParseUnixRights(&msgs[i])
-		if err != nil {
-			bad = fmt.Errorf("unexpected control message (level %d type %d)", msgs[i].Header.Level, msgs[i].Header.Type)
-			continue
-		}
-		fds = append(fds, got...)
-	}
-	return fds, bad
 }

@@ -1,11 +1,16 @@
-package conflist
+// Package atomicfile writes files on the host the one careful way: a
+// temporary file in the same directory (O_EXCL|O_NOFOLLOW, a name no
+// runtime loads) renamed over the target, so a crash at any instant leaves
+// the old content or the new, never half; never through a symlink, never
+// replacing one. The installer's conflists and binaries, the policy
+// snapshot and the pods' records all go through it.
+package atomicfile
 
 import (
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -42,24 +47,6 @@ func Stat(path string) (FileMeta, error) {
 	return FileMeta{Mode: fs.FileMode(st.Mode & 0o7777), UID: int(st.Uid), GID: int(st.Gid)}, nil
 }
 
-// ReadFile reads a config file, refusing anything larger than MaxFileSize so
-// a runaway file cannot exhaust memory.
-func ReadFile(path string) ([]byte, error) {
-	f, err := os.Open(path)
-	if err != nil {
-		return nil, err
-	}
-	defer f.Close()
-	data, err := io.ReadAll(io.LimitReader(f, MaxFileSize+1))
-	if err != nil {
-		return nil, fmt.Errorf("reading %s: %w", path, err)
-	}
-	if len(data) > MaxFileSize {
-		return nil, invalid(path, "file is larger than %d bytes", MaxFileSize)
-	}
-	return data, nil
-}
-
 // WriteFile replaces path atomically: the data goes to a temporary file in the
 // same directory (opened O_EXCL|O_NOFOLLOW, with a name no runtime loads), gets
 // the given mode and owner, is fsynced, and is renamed over path; then the
@@ -67,6 +54,17 @@ func ReadFile(path string) ([]byte, error) {
 // new content at path. If path is a symlink nothing is written.
 // A nil meta means mode 0644 owned by the caller.
 func WriteFile(path string, data []byte, meta *FileMeta) error {
+	return write(path, data, meta, true)
+}
+
+// Replace is WriteFile without the fsyncs, for state that need not outlive
+// a machine crash (a crash restarts every pod anyway) but must never be
+// seen half-written: each write costs a rename, not a disk flush.
+func Replace(path string, data []byte, mode fs.FileMode) error {
+	return write(path, data, &FileMeta{Mode: mode, UID: os.Geteuid(), GID: os.Getegid()}, false)
+}
+
+func write(path string, data []byte, meta *FileMeta, durable bool) error {
 	dir, base := filepath.Split(path)
 	if dir == "" {
 		dir = "."
@@ -108,8 +106,10 @@ func WriteFile(path string, data []byte, meta *FileMeta) error {
 	if err := f.Chmod(mode); err != nil { // after chown, which may clear setuid bits
 		return err
 	}
-	if err := f.Sync(); err != nil {
-		return err
+	if durable {
+		if err := f.Sync(); err != nil {
+			return err
+		}
 	}
 	if err := f.Close(); err != nil {
 		return err
@@ -118,6 +118,9 @@ func WriteFile(path string, data []byte, meta *FileMeta) error {
 		return &fs.PathError{Op: "rename", Path: path, Err: err}
 	}
 	ok = true
+	if !durable {
+		return nil
+	}
 	return unix.Fsync(dfd)
 }
 

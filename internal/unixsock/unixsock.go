@@ -1,0 +1,91 @@
+// Package unixsock is the root-only SOCK_SEQPACKET plumbing the plugin's
+// socket and ztunnel's share: binding a socket carefully, checking a peer's
+// credentials, and reading the descriptors a message carries. It imports
+// only the standard library and x/sys, because the plugin links it.
+package unixsock
+
+import (
+	"fmt"
+	"io/fs"
+	"net"
+	"os"
+	"path/filepath"
+
+	"golang.org/x/sys/unix"
+)
+
+// Listen binds path: its dir is created with dirMode, a stale socket from
+// an earlier agent is removed (anything else at the path is an error, never
+// replaced), and the socket is made 0600. Callers also check every peer's
+// credentials, so the moment between bind and chmod is safe.
+func Listen(path string, dirMode fs.FileMode) (*net.UnixListener, error) {
+	if err := os.MkdirAll(filepath.Dir(path), dirMode); err != nil {
+		return nil, err
+	}
+	if st, err := os.Lstat(path); err == nil {
+		if st.Mode().Type() != fs.ModeSocket {
+			return nil, fmt.Errorf("%s exists and is not a socket; not removing it", path)
+		}
+		if err := os.Remove(path); err != nil {
+			return nil, fmt.Errorf("removing stale socket: %w", err)
+		}
+	}
+	l, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: path, Net: "unixpacket"})
+	if err != nil {
+		return nil, err
+	}
+	if err := os.Chmod(path, 0o600); err != nil {
+		l.Close()
+		return nil, err
+	}
+	return l, nil
+}
+
+// RequireRoot checks the peer's credentials (SO_PEERCRED): uid 0 only.
+func RequireRoot(uc *net.UnixConn) error {
+	rc, err := uc.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var serr error
+	if err := rc.Control(func(fd uintptr) { serr = PeerIsRoot(int(fd)) }); err != nil {
+		return err
+	}
+	return serr
+}
+
+// PeerIsRoot is RequireRoot on a raw socket descriptor.
+func PeerIsRoot(fd int) error {
+	cred, err := unix.GetsockoptUcred(fd, unix.SOL_SOCKET, unix.SO_PEERCRED)
+	if err != nil {
+		return fmt.Errorf("reading peer credentials: %w", err)
+	}
+	if cred.Uid != 0 {
+		return fmt.Errorf("peer pid %d runs as uid %d, not root", cred.Pid, cred.Uid)
+	}
+	return nil
+}
+
+// Rights returns every descriptor the control messages in oob carry (the
+// caller owns and must close them), and an error for anything else found
+// there; the descriptors are returned even then, so they can be closed.
+func Rights(oob []byte) ([]int, error) {
+	if len(oob) == 0 {
+		return nil, nil
+	}
+	msgs, err := unix.ParseSocketControlMessage(oob)
+	if err != nil {
+		return nil, fmt.Errorf("parsing control message: %w", err)
+	}
+	var fds []int
+	var bad error
+	for i := range msgs {
+		got, err := unix.ParseUnixRights(&msgs[i])
+		if err != nil {
+			bad = fmt.Errorf("unexpected control message (level %d type %d)", msgs[i].Header.Level, msgs[i].Header.Type)
+			continue
+		}
+		fds = append(fds, got...)
+	}
+	return fds, bad
+}
