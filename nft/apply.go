@@ -14,15 +14,12 @@ import (
 // a rule's comment from.
 const ruleCommentType userdata.Type = 0
 
-// conn opens a netlink connection in the netns behind fd (0: the caller's
-// own netns). The library dials inside that netns itself; no setns here.
+// conn opens a netlink connection in the netns behind fd. The library
+// dials inside that netns itself; no setns here.
 // The connection is lasting: one socket serves the list and the batch
 // (a transient one would dial, which means entering the netns, per call).
 // Callers CloseLasting it.
 func conn(fd int) (*nftables.Conn, error) {
-	if fd == 0 {
-		return nftables.New(nftables.AsLasting())
-	}
 	return nftables.New(nftables.WithNetNSFd(fd), nftables.AsLasting())
 }
 
@@ -60,7 +57,7 @@ func (rs *Ruleset) names() []string {
 	return n
 }
 
-// Apply programs rs into the netns behind fd (0 = own netns) in one
+// Apply programs rs into the netns behind fd in one
 // transaction: into a netns without our tables it only adds (the cheap
 // path); over existing ones it deletes and re-adds them in the same
 // transaction, an atomic replace. Policy routes follow. Other tables are

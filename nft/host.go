@@ -74,7 +74,7 @@ type ProbeSet struct {
 	c  *nftables.Conn
 }
 
-// OpenProbeSet connects to nf_tables in the netns behind fd (0: own).
+// OpenProbeSet connects to nf_tables in the netns behind fd.
 func OpenProbeSet(fd int) (*ProbeSet, error) {
 	c, err := conn(fd)
 	if err != nil {

@@ -10,7 +10,7 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Program writes b into the netns behind fd (0: the caller's own): the
+// Program writes b into the netns behind fd: the
 // nf_tables transaction in one send with one ack and, when the table is
 // already there, once more as an atomic replace; then the policy routes in
 // one send with one ack. This is the whole cost of programming a pod, and
@@ -92,9 +92,6 @@ func gone(_ uint16, errno unix.Errno) bool {
 // purpose; if the thread could not switch back it is left locked, so the
 // Go runtime retires it rather than run other work in the pod's netns.
 func dialIn(fd int, protos ...int) ([]int, error) {
-	if fd == 0 {
-		return openSockets(protos)
-	}
 	type res struct {
 		socks []int
 		err   error
