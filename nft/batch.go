@@ -39,6 +39,9 @@ type Batch struct {
 	Replace []byte `json:"replace,omitempty"`
 	// Routes are the rtnetlink messages of the ruleset's policy routes.
 	Routes []byte `json:"routes,omitempty"`
+	// source is what Encode made the batch from (never sent): the Fake
+	// reads it.
+	source *Ruleset
 }
 
 // Encode turns rs into its Batch.
@@ -58,7 +61,7 @@ func Encode(rs *Ruleset) (*Batch, error) {
 	if err != nil {
 		return nil, err
 	}
-	b := &Batch{Tables: frame(tables, 1, true, true), Routes: routeMessages(rs.Routes, true)}
+	b := &Batch{Tables: frame(tables, 1, true, true), Routes: routeMessages(rs.Routes, true), source: rs}
 	if len(replace) > 2 { // without its own batch begin and end
 		b.Replace = frame(replace[1:len(replace)-1], uint32(len(tables)+1), false, false)
 	}

@@ -60,19 +60,20 @@ func (l *trail) reset() {
 	l.mu.Unlock()
 }
 
+// fakeRules is nft's Fake, with each call on the trail.
 type fakeRules struct {
-	l                    *trail
-	programErr, checkErr error
+	*nft.Fake
+	l *trail
 }
 
 func (r *fakeRules) Program(fd int, b *nft.Batch) error {
 	r.l.add("rules.Program")
-	return r.programErr
+	return r.Fake.Program(fd, b)
 }
-func (r *fakeRules) Remove(fd int) error { r.l.add("rules.Remove"); return nil }
+func (r *fakeRules) Remove(fd int) error { r.l.add("rules.Remove"); return r.Fake.Remove(fd) }
 func (r *fakeRules) Check(fd int, rs *nft.Ruleset, gen uint32) (uint32, error) {
 	r.l.add("rules.Check")
-	return 1, r.checkErr
+	return r.Fake.Check(fd, rs, gen)
 }
 
 type fakeZtunnel struct {
@@ -144,12 +145,16 @@ func (a *fakeAnnotator) SetRedirection(ctx context.Context, namespace, name, sta
 	return nil
 }
 
-// fakePlugin is the plugin's end of an ADD.
+// fakePlugin is the plugin's end of an ADD: it writes the decision's
+// batch into the pod's netns (the rig's nft Fake), as the plugin does,
+// unless its outcome is a failure.
 type fakePlugin struct {
 	l          *trail
 	decided    *wire.Decision
 	batch      *nft.Batch
 	outcomeErr error
+	rules      *nft.Fake
+	netns      *os.File
 }
 
 func (p *fakePlugin) Decide(d *wire.Decision, b *nft.Batch) error {
@@ -159,6 +164,11 @@ func (p *fakePlugin) Decide(d *wire.Decision, b *nft.Batch) error {
 }
 func (p *fakePlugin) Outcome() (*wire.Timings, error) {
 	p.l.add("plugin.Outcome")
+	if p.outcomeErr == nil && p.batch != nil {
+		if err := p.rules.Program(int(p.netns.Fd()), p.batch); err != nil {
+			return nil, err
+		}
+	}
 	return &wire.Timings{}, p.outcomeErr
 }
 
@@ -171,13 +181,14 @@ type rig struct {
 	runDir  string
 	records *records.Dir
 	e       *Enroller
+	netns   map[string]*os.File // by pod name: the file standing in for its netns
 }
 
 func newRig(t *testing.T) *rig {
 	t.Helper()
 	l := &trail{}
-	r := &rig{t: t, l: l, store: podsource.NewStore(), rules: &fakeRules{l: l},
-		zt: &fakeZtunnel{l: l, held: map[string]bool{}}, runDir: t.TempDir()}
+	r := &rig{t: t, l: l, store: podsource.NewStore(), rules: &fakeRules{Fake: nft.NewFake(), l: l},
+		zt: &fakeZtunnel{l: l, held: map[string]bool{}}, runDir: t.TempDir(), netns: map[string]*os.File{}}
 	var err error
 	if r.records, err = records.Open(r.runDir); err != nil {
 		t.Fatal(err)
@@ -221,11 +232,13 @@ func (r *rig) sandbox(ns, name, uid, ip string) (*wire.Pod, *os.File) {
 		r.t.Fatal(err)
 	}
 	r.t.Cleanup(func() { f.Close() })
+	r.netns[name] = f
 	return &wire.Pod{Namespace: ns, Name: name, UID: uid, Netns: path, IPs: []netip.Prefix{netip.MustParsePrefix(ip + "/32")},
 		Attachment: wire.Attachment{ContainerID: "c-" + name, IfName: "eth0"}}, f
 }
 
 func (r *rig) add(wp *wire.Pod, netns *os.File, pl *fakePlugin) error {
+	pl.rules, pl.netns = r.rules.Fake, netns
 	return r.e.Add(context.Background(), wp, netns, pl)
 }
 
@@ -239,6 +252,29 @@ func (r *rig) addA(pl *fakePlugin) error {
 		pl = &fakePlugin{l: r.l}
 	}
 	return r.add(wp, ns, pl)
+}
+
+// dump is what pod name's netns holds, as nft would list it.
+func (r *rig) dump(name string) string { return r.rules.Dump(int(r.netns[name].Fd())) }
+
+// ambientRules is the ruleset the default policy gives an ambient pod
+// with an IPv4 address, as nft would list it.
+func (r *rig) ambientRules() string {
+	r.t.Helper()
+	b, err := nft.Encode(nft.Ambient(nft.AmbientSpec{DNSCapture: true, IPv6: false}))
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	f := nft.NewFake()
+	tmp, err := os.CreateTemp(r.t.TempDir(), "netns")
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	defer tmp.Close()
+	if err := f.Program(int(tmp.Fd()), b); err != nil {
+		r.t.Fatal(err)
+	}
+	return f.Dump(int(tmp.Fd()))
 }
 
 func (r *rig) members() []string {
@@ -291,6 +327,9 @@ func TestAddEnrolsAmbientPodInOrder(t *testing.T) {
 	}
 	r.expect("plugin.Decide ambient", "plugin.Outcome", "zt.Add uid-a", "probes.Add uid-a [10.0.0.5]", `annotate mesh/a="enabled"`)
 	r.expectNot("rules.Program") // the plugin programs at ADD, not the agent
+	if got, want := r.dump("a"), r.ambientRules(); got != want {
+		t.Errorf("the pod's netns after ADD:\n%s\nwant:\n%s", got, want)
+	}
 	// The decision goes out before anything else starts, the annotation
 	// only after every step.
 	if r.l.calls[0] != "plugin.Decide ambient" || r.l.calls[len(r.l.calls)-1] != `annotate mesh/a="enabled"` {
@@ -390,6 +429,9 @@ func TestPodGoneFromSourceIsReleased(t *testing.T) {
 	// The rules go too: a pod whose ztunnel is gone but whose rules stay
 	// is black-holed.
 	r.expect("rules.Remove", "zt.Del uid-a", "probes.Remove uid-a [10.0.0.5]")
+	if got := r.dump("a"); got != "" {
+		t.Errorf("rules left in the released pod's netns:\n%s", got)
+	}
 	if got := r.members(); len(got) != 0 {
 		t.Errorf("members %v", got)
 	}
@@ -418,6 +460,9 @@ func TestLateEnrolmentAndUnenrolment(t *testing.T) {
 		t.Fatal(err)
 	}
 	r.expect("rules.Program", "zt.Add uid-a", `annotate mesh/a="enabled"`) // the agent programs, with the netns it kept
+	if got, want := r.dump("a"), r.ambientRules(); got != want {
+		t.Errorf("the pod's netns after late enrolment:\n%s\nwant:\n%s", got, want)
+	}
 	if got := r.members(); !slices.Equal(got, []string{"mesh/a ambient uid-a"}) {
 		t.Fatalf("members %v", got)
 	}
@@ -428,6 +473,9 @@ func TestLateEnrolmentAndUnenrolment(t *testing.T) {
 		t.Fatal(err)
 	}
 	r.expect("rules.Remove", "zt.Del uid-a", `annotate mesh/a=""`)
+	if got := r.dump("a"); got != "" {
+		t.Errorf("rules left after unenrolment:\n%s", got)
+	}
 	if got := r.members(); len(got) != 0 {
 		t.Errorf("members %v", got)
 	}
@@ -444,22 +492,22 @@ func TestLateEnrolmentFailureLeavesPodAsItWas(t *testing.T) {
 		t.Fatal(err)
 	}
 	r.namespace("mesh", true)
-	r.rules.programErr = errors.New("netlink: ENOBUFS")
+	r.rules.ProgramErr = errors.New("netlink: ENOBUFS")
 	if err := r.e.Reconcile(context.Background(), "mesh", "a"); err == nil {
 		t.Fatal("late enrolment succeeded with rules that failed")
 	}
 	r.expect("zt.Del uid-a", "rules.Remove")
 	r.expectNot(`annotate mesh/a="enabled"`)
-	if r.zt.Holds("uid-a") || len(r.members()) != 0 {
-		t.Errorf("half-enrolled: ztunnel %v, members %v", r.zt.Holds("uid-a"), r.members())
+	if r.zt.Holds("uid-a") || len(r.members()) != 0 || r.dump("a") != "" {
+		t.Errorf("half-enrolled: ztunnel %v, members %v, rules %q", r.zt.Holds("uid-a"), r.members(), r.dump("a"))
 	}
 	// Once the rules can be programmed, the next reconcile enrols it.
-	r.rules.programErr = nil
+	r.rules.ProgramErr = nil
 	if err := r.e.Reconcile(context.Background(), "mesh", "a"); err != nil {
 		t.Fatal(err)
 	}
-	if got := r.members(); len(got) != 1 {
-		t.Errorf("members %v", got)
+	if got := r.members(); len(got) != 1 || r.dump("a") != r.ambientRules() {
+		t.Errorf("members %v, rules %q", got, r.dump("a"))
 	}
 }
 
@@ -490,6 +538,24 @@ func TestRestartRestoresWithoutTouchingRules(t *testing.T) {
 	if checked != 1 || repaired != 0 {
 		t.Errorf("verify pass: checked %d repaired %d", checked, repaired)
 	}
+	if got, want := r.dump("a"), r.ambientRules(); got != want {
+		t.Errorf("the pod's netns after the restart:\n%s\nwant:\n%s", got, want)
+	}
+
+	// Rules lost while no agent ran (someone deleted the table) are put
+	// back by the new agent's first pass.
+	r.e.Close()
+	r.rules.Tamper(int(r.netns["a"].Fd()), nil)
+	r.e = r.enroller()
+	if _, err := r.e.Restore(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if checked, repaired := r.e.VerifyPass(context.Background(), 1); checked != 1 || repaired != 1 {
+		t.Errorf("verify pass after a restart over a deleted table: checked %d repaired %d", checked, repaired)
+	}
+	if got, want := r.dump("a"), r.ambientRules(); got != want {
+		t.Errorf("the pod's netns after the restart's repair:\n%s\nwant:\n%s", got, want)
+	}
 }
 
 func TestVerifyRepairsDrift(t *testing.T) {
@@ -500,19 +566,29 @@ func TestVerifyRepairsDrift(t *testing.T) {
 	}
 	r.l.reset()
 	// A check that could not look is not drift: nothing is rewritten.
-	r.rules.checkErr = errors.New("netlink: EINTR")
+	r.rules.CheckErr = errors.New("netlink: EINTR")
 	if checked, repaired := r.e.VerifyPass(context.Background(), 1); checked != 0 || repaired != 0 {
 		t.Fatalf("verify pass that could not look: checked %d repaired %d", checked, repaired)
 	}
 	r.expectNot("rules.Program")
-	r.rules.checkErr = &nft.DriftError{Problems: []string{"chain inbound is empty but should hold 3 rules, the first: meta mark 0x539 accept"}}
+	r.rules.CheckErr = nil
+	// Someone flushes a chain of the pod's table: the next pass puts the
+	// whole ruleset back and says which rule was missing.
+	r.rules.Tamper(int(r.netns["a"].Fd()), func(rs *nft.Ruleset) { rs.Tables[0].Chains[0].Rules = nil })
 	checked, repaired := r.e.VerifyPass(context.Background(), 1)
 	if checked != 1 || repaired != 1 {
 		t.Fatalf("verify pass: checked %d repaired %d", checked, repaired)
 	}
 	r.expect("rules.Check", "rules.Program")
+	if got, want := r.dump("a"), r.ambientRules(); got != want {
+		t.Errorf("the pod's netns after the repair:\n%s\nwant:\n%s", got, want)
+	}
 	in := r.e.Inspect("uid-a")
-	if in.Repairs != 1 || !strings.Contains(in.Drift, "chain inbound is empty") {
+	if in.Repairs != 1 || !strings.Contains(in.Drift, "line ") {
 		t.Errorf("inspect after a repair: %+v", in)
+	}
+	// The next pass finds it intact.
+	if checked, repaired := r.e.VerifyPass(context.Background(), 1); checked != 1 || repaired != 0 {
+		t.Errorf("verify pass after the repair: checked %d repaired %d", checked, repaired)
 	}
 }
