@@ -88,6 +88,9 @@ type Server struct {
 	Timeout time.Duration
 	// MaxConns bounds connections served at once; more wait in the backlog.
 	MaxConns int
+	// CheckPeer vets each connection's credentials: root only
+	// (unixsock.RequireRoot), unless a test serves its own uid.
+	CheckPeer func(*net.UnixConn) error
 
 	wg sync.WaitGroup
 }
@@ -97,7 +100,7 @@ func NewServer(h Handler, log *slog.Logger, m *Metrics) *Server {
 	if m == nil {
 		m = NewMetrics(nil)
 	}
-	return &Server{h: h, log: log, metrics: m, Timeout: 10 * time.Second, MaxConns: 256}
+	return &Server{h: h, log: log, metrics: m, Timeout: 10 * time.Second, MaxConns: 256, CheckPeer: unixsock.RequireRoot}
 }
 
 // Listen binds the plugin socket at path, root-only, in a 0750 dir.
@@ -144,7 +147,7 @@ func (s *Server) count(kind wire.Kind, result string) {
 
 func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 	defer uc.Close()
-	if err := unixsock.RequireRoot(uc); err != nil {
+	if err := s.CheckPeer(uc); err != nil {
 		s.log.Warn("refused a connection on the plugin socket", "err", err)
 		s.count("connect", "rejected")
 		return

@@ -42,26 +42,35 @@ func Listen(path string, dirMode fs.FileMode) (*net.UnixListener, error) {
 }
 
 // RequireRoot checks the peer's credentials (SO_PEERCRED): uid 0 only.
-func RequireRoot(uc *net.UnixConn) error {
+func RequireRoot(uc *net.UnixConn) error { return RequireUID(uc, 0) }
+
+// RequireUID checks that the peer runs as uid (tests that run unprivileged
+// serve their own uid; the agent serves only root).
+func RequireUID(uc *net.UnixConn, uid uint32) error {
 	rc, err := uc.SyscallConn()
 	if err != nil {
 		return err
 	}
 	var serr error
-	if err := rc.Control(func(fd uintptr) { serr = PeerIsRoot(int(fd)) }); err != nil {
+	if err := rc.Control(func(fd uintptr) { serr = peerIs(int(fd), uid) }); err != nil {
 		return err
 	}
 	return serr
 }
 
 // PeerIsRoot is RequireRoot on a raw socket descriptor.
-func PeerIsRoot(fd int) error {
+func PeerIsRoot(fd int) error { return peerIs(fd, 0) }
+
+func peerIs(fd int, uid uint32) error {
 	cred, err := unix.GetsockoptUcred(fd, unix.SOL_SOCKET, unix.SO_PEERCRED)
 	if err != nil {
 		return fmt.Errorf("reading peer credentials: %w", err)
 	}
-	if cred.Uid != 0 {
-		return fmt.Errorf("peer pid %d runs as uid %d, not root", cred.Pid, cred.Uid)
+	if cred.Uid != uid {
+		if uid == 0 {
+			return fmt.Errorf("peer pid %d runs as uid %d, not root", cred.Pid, cred.Uid)
+		}
+		return fmt.Errorf("peer pid %d runs as uid %d, not %d", cred.Pid, cred.Uid, uid)
 	}
 	return nil
 }
