@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"fmt"
 	"log/slog"
 	"os"
@@ -103,15 +102,15 @@ func (a *ambientFlags) restConfig() (*rest.Config, error) {
 	return cfg, nil
 }
 
-// startNode starts the enrolment side (package node) with the flags' settings,
-// and returns the Kubernetes client when pods come from Kubernetes.
-func startNode(ctx context.Context, c *common, a *ambientFlags, policy *enablement.Policy, lock *runlock.Lock, reg prometheus.Registerer, log *slog.Logger) (*node.Node, kubesrc.API, error) {
-	src, err := a.source()
-	if err != nil {
-		return nil, nil, err
-	}
+// nodeConfig is the enrolment side's Config (package node) from the
+// flags, with the Kubernetes client when pods come from Kubernetes.
+func nodeConfig(c *common, a *ambientFlags, policy *enablement.Policy, lock *runlock.Lock, reg prometheus.Registerer, log *slog.Logger) (node.Config, error) {
 	cfg := node.Config{RunDir: c.runDir, HostNetns: a.hostNetns, ProcDir: a.procDir, IPv6: a.ipv6, Policy: policy,
 		NodeName: a.nodeName, Repair: a.repair, VerifyEvery: a.verifyEvery, VerifyConcurrency: a.verifyConcurrency, Registry: reg, Log: log, Lock: lock}
+	src, err := a.source()
+	if err != nil {
+		return cfg, err
+	}
 	if a.ztunnelSocket != "none" {
 		cfg.ZtunnelSocket = a.ztunnelSocket
 	}
@@ -119,17 +118,16 @@ func startNode(ctx context.Context, c *common, a *ambientFlags, policy *enableme
 	case "kubernetes":
 		rc, err := a.restConfig()
 		if err != nil {
-			return nil, nil, err
+			return cfg, err
 		}
 		kc, err := kubesrc.NewClient(rc)
 		if err != nil {
-			return nil, nil, err
+			return cfg, err
 		}
 		cfg.Kube = kc
 		log.Info("watching Kubernetes", "api", rc.Host, "node", a.nodeName)
 	case "static":
 		cfg.StaticDir = a.podSource
 	}
-	n, err := node.Start(ctx, cfg)
-	return n, cfg.Kube, err
+	return cfg, nil
 }

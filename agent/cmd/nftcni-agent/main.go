@@ -17,7 +17,6 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
-	"path/filepath"
 	"runtime/debug"
 	"strconv"
 	"syscall"
@@ -28,12 +27,11 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/nftcni/nftcni/agent/health"
+	"github.com/nftcni/nftcni/agent/inspect"
 	"github.com/nftcni/nftcni/agent/install"
-	kubesrc "github.com/nftcni/nftcni/agent/kube"
 	"github.com/nftcni/nftcni/agent/node"
 	"github.com/nftcni/nftcni/agent/readiness"
 	"github.com/nftcni/nftcni/agent/runlock"
-	"github.com/nftcni/nftcni/plugin/wire"
 	"github.com/nftcni/nftcni/templates"
 )
 
@@ -73,7 +71,7 @@ func main() {
 		err = uninstallCmd(args)
 	case "inspect":
 		err = inspectCmd(args, os.Stdout)
-		if errors.Is(err, errDrift) {
+		if errors.Is(err, inspect.ErrDrift) {
 			os.Exit(1)
 		}
 		if err != nil && !errors.Is(err, flag.ErrHelp) {
@@ -214,35 +212,6 @@ func (r *runFlags) register(f *flagSet) {
 	f.duration(&r.gate.grace, "readiness-grace", "READINESS_GRACE", 30*time.Second, "how long the agent may stay unready before --readiness-retaint taints the node again")
 }
 
-// startGate runs the readiness gate on Kubernetes until ctx ends.
-func (r *runFlags) startGate(ctx context.Context, api kubesrc.API, n *node.Node, state *install.State, log *slog.Logger) error {
-	if api == nil || (r.gate.taint == "" && r.gate.condition == "") {
-		return nil
-	}
-	if r.a.nodeName == "" {
-		log.Warn("no --node-name (NODE_NAME): the readiness gate is off (no taint removed, no node condition)")
-		return nil
-	}
-	checks := []readiness.Check{{Name: "install", Ready: state.Ready}}
-	// Without ZDS (--ztunnel-socket none: sidecar-only meshes) there is no
-	// ztunnel to wait for.
-	if r.gate.needZtunnel && n.ZDS != nil {
-		checks = append(checks, readiness.Check{Name: "ztunnel", Ready: func() error {
-			if !n.ZDS.Connected() {
-				return readiness.ErrNoZtunnel
-			}
-			return nil
-		}})
-	}
-	g, err := readiness.New(readiness.Config{Node: r.a.nodeName, Taint: r.gate.taint, Condition: r.gate.condition,
-		Retaint: r.gate.retaint, Grace: r.gate.grace}, api, checks, log)
-	if err != nil {
-		return fmt.Errorf("--readiness-taint: %w", err)
-	}
-	go g.Run(ctx)
-	return nil
-}
-
 func runCmd(ctx context.Context, args []string) error {
 	var r runFlags
 	c, log, in, err := setup("run", args, true, r.register)
@@ -250,8 +219,8 @@ func runCmd(ctx context.Context, args []string) error {
 		return err
 	}
 	healthAddr, monitoringPort, onExit, a := r.healthAddr, r.monitoringPort, r.onExit, &r.a
-	if onExit != "auto" && onExit != "keep" && onExit != "uninstall" {
-		return fmt.Errorf("--on-exit %q: want auto, keep or uninstall", onExit)
+	if err := node.CheckExit(onExit); err != nil {
+		return err
 	}
 	policy, err := a.policy(c.namespaces())
 	if err != nil {
@@ -296,50 +265,11 @@ func runCmd(ctx context.Context, args []string) error {
 		log.Info("serving Prometheus /metrics", "addr", maddr.String())
 	}
 
-	// The plugin's endpoint comes up before the plugin is installed, so the
-	// first pod after installation already finds the agent.
-	n, kube, err := startNode(ctx, c, a, policy, lock, reg, log)
+	cfg, err := nodeConfig(c, a, policy, lock, reg, log)
 	if err != nil {
 		return err
 	}
-	if err := r.startGate(ctx, kube, n, state, log); err != nil {
-		n.Stop()
-		return err
-	}
-	runErr := in.Run(ctx, install.DefaultLoopConfig(), metrics, state)
-	uninstall := onExit == "uninstall"
-	if onExit == "auto" {
-		uninstall = r.decideExit(kube, c.podNamespace, log)
-	}
-	if uninstall {
-		log.Info("shutting down: uninstalling nftcni")
-		if err := n.Host.Delete(); err != nil {
-			runErr = errors.Join(runErr, fmt.Errorf("removing the host probe table: %w", err))
-		}
-	}
-	n.Stop()
-	if uninstall {
-		policyErr := os.Remove(filepath.Join(c.runDir, wire.PolicyName))
-		if errors.Is(policyErr, os.ErrNotExist) {
-			policyErr = nil
-		}
-		return errors.Join(runErr, in.Uninstall(), policyErr)
-	}
-	log.Info("shutting down: leaving the plugin and its config in place", "on-exit", onExit)
-	return runErr
-}
-
-// decideExit asks Kubernetes whether this stop is an upgrade or an
-// uninstall (--on-exit auto). The run context is over by now, so the
-// lookup has its own deadline, well inside the pod's grace period.
-func (r *runFlags) decideExit(client kubesrc.API, namespace string, log *slog.Logger) bool {
-	if client == nil {
-		log.Info("on exit: not on Kubernetes, keeping the plugin (--on-exit uninstall removes it)")
-		return false
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	d := kubesrc.DecideExit(ctx, client, namespace, r.daemonSet, r.a.nodeName, time.Second)
-	log.Info("on exit", "uninstall", d.Uninstall, "reason", d.Reason)
-	return d.Uninstall
+	return node.Run(ctx, node.Agent{Config: cfg, Installer: in, InstallMetrics: metrics, State: state,
+		Gate:             readiness.Config{Taint: r.gate.taint, Condition: r.gate.condition, Retaint: r.gate.retaint, Grace: r.gate.grace},
+		GateNeedsZtunnel: r.gate.needZtunnel, OnExit: onExit, DaemonSet: r.daemonSet, PodNamespace: c.podNamespace})
 }
