@@ -441,14 +441,18 @@ func sandboxFailure(n *nodetest.Node, ns, name, want string) bool {
 // netns kept from before the reboot would show as an unknown inode.
 func checkAgentNetnsFds(t *testing.T, n *nodetest.Node, recs []records.Record) {
 	t.Helper()
-	out, err := n.Run("sh", "-c", `readlink /proc/1/ns/net; for f in /proc/$(pgrep -x nftcni-agent)/fd/*; do readlink $f; done`)
-	if err != nil {
-		t.Fatalf("listing the agent's fds: %v\n%s", err, out)
+	agents := n.Processes("nftcni-agent")
+	if len(agents) != 1 {
+		t.Fatalf("agent processes on the node: %v, want one", agents)
 	}
-	lines := strings.Split(strings.TrimSpace(out), "\n")
-	node, held := lines[0], map[string]int{}
-	for _, l := range lines[1:] {
-		if strings.HasPrefix(l, "net:[") && l != node {
+	dir := fmt.Sprintf("/proc/%d/fd", agents[0])
+	fds, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	node, held := n.Netns(), map[string]int{}
+	for _, fd := range fds {
+		if l, err := os.Readlink(filepath.Join(dir, fd.Name())); err == nil && strings.HasPrefix(l, "net:[") && l != node {
 			held[l]++
 		}
 	}

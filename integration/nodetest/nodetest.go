@@ -403,6 +403,30 @@ func (n *Node) openLog(name string) *os.File {
 	return f
 }
 
+// Processes are the host PIDs of the node's processes named comm (as
+// /proc/PID/comm has it), e.g. the agent inside its container.
+func (n *Node) Processes(comm string) []int {
+	seen := map[int]bool{}
+	var out []int
+	for _, p := range cgroupProcs(n.cgroup) {
+		pid, err := strconv.Atoi(p)
+		if err != nil || seen[pid] {
+			continue
+		}
+		seen[pid] = true
+		if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid)); err == nil && strings.TrimSpace(string(b)) == comm {
+			out = append(out, pid)
+		}
+	}
+	return out
+}
+
+// Netns is the node's netns as /proc/PID/ns/net links read ("net:[N]").
+func (n *Node) Netns() string {
+	l, _ := os.Readlink(fmt.Sprintf("/proc/%d/ns/net", n.pid))
+	return l
+}
+
 // Path is p inside the node's mount namespace, as the test opens it
 // (through the node init's root): the node's /run is its own tmpfs.
 func (n *Node) Path(p string) string { return fmt.Sprintf("/proc/%d/root%s", n.pid, p) }
