@@ -172,6 +172,21 @@ func (p *fakePlugin) Outcome() (*wire.Timings, error) {
 	return &wire.Timings{}, p.outcomeErr
 }
 
+// fakeFinder finds pods' netns through "/proc": a file per pod UID.
+type fakeFinder struct {
+	l     *trail
+	netns map[string]*os.File
+}
+
+func (f *fakeFinder) Find(uid string, ips []netip.Addr) (*os.File, error) {
+	f.l.add("find %s", uid)
+	n, ok := f.netns[uid]
+	if !ok {
+		return nil, errors.New("no process of the pod in /proc")
+	}
+	return os.Open(n.Name()) // the Enroller owns what Find returns
+}
+
 type rig struct {
 	t       *testing.T
 	l       *trail
@@ -182,13 +197,15 @@ type rig struct {
 	records *records.Dir
 	e       *Enroller
 	netns   map[string]*os.File // by pod name: the file standing in for its netns
+	finder  *fakeFinder
 }
 
 func newRig(t *testing.T) *rig {
 	t.Helper()
 	l := &trail{}
 	r := &rig{t: t, l: l, store: podsource.NewStore(), rules: &fakeRules{Fake: nft.NewFake(), l: l},
-		zt: &fakeZtunnel{l: l, held: map[string]bool{}}, runDir: t.TempDir(), netns: map[string]*os.File{}}
+		zt: &fakeZtunnel{l: l, held: map[string]bool{}}, runDir: t.TempDir(), netns: map[string]*os.File{},
+		finder: &fakeFinder{l: l, netns: map[string]*os.File{}}}
 	var err error
 	if r.records, err = records.Open(r.runDir); err != nil {
 		t.Fatal(err)
@@ -205,7 +222,7 @@ func (r *rig) enroller() *Enroller {
 		r.t.Fatal(err)
 	}
 	return New(Options{Policy: pol, Store: r.store, Rules: r.rules, Ztunnel: r.zt, Probes: &fakeProbes{l: r.l},
-		Records: r.records, Annotator: &fakeAnnotator{l: r.l, store: r.store}, LookupRetries: -1})
+		Records: r.records, Annotator: &fakeAnnotator{l: r.l, store: r.store}, Finder: r.finder, LookupRetries: -1})
 }
 
 func (r *rig) namespace(name string, ambient bool) {
@@ -590,5 +607,76 @@ func TestVerifyRepairsDrift(t *testing.T) {
 	// The next pass finds it intact.
 	if checked, repaired := r.e.VerifyPass(context.Background(), 1); checked != 1 || repaired != 0 {
 		t.Errorf("verify pass after the repair: checked %d repaired %d", checked, repaired)
+	}
+}
+
+// running is a pod that started before this agent saw it (no ADD, no
+// record): its netns is found through /proc.
+func (r *rig) running(ns, name, uid, ip string, annotations map[string]string) *corev1.Pod {
+	kp := r.pod(ns, name, uid, ip)
+	kp.Annotations = annotations
+	r.store.PutPod(kp)
+	_, f := r.sandbox(ns, name, uid, ip)
+	r.finder.netns[uid] = f
+	return kp
+}
+
+// Pods a previous agent (or Istio's) enrolled, whose records are gone:
+// an annotated ambient pod is adopted through /proc with its ruleset put
+// in place; an annotated pod no longer selected loses its rules and its
+// annotation; one whose netns cannot be found stays in ztunnel's snapshot.
+func TestAdoptionThroughProc(t *testing.T) {
+	r := newRig(t)
+	r.namespace("mesh", true)
+	r.namespace("plain", false)
+	enabled := map[string]string{istio.AnnRedirection: "enabled"}
+	r.running("mesh", "a", "uid-a", "10.0.0.5", enabled)
+	r.running("plain", "b", "uid-b", "10.0.0.6", enabled)
+	r.pod("mesh", "c", "uid-c", "10.0.0.7").Annotations = enabled // no netns anywhere
+	// b still holds a ruleset from before.
+	b, err := nft.Encode(nft.Ambient(nft.AmbientSpec{DNSCapture: true}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.rules.Fake.Program(int(r.netns["b"].Fd()), b); err != nil {
+		t.Fatal(err)
+	}
+
+	adopted, kept, cleared := r.e.AdoptAnnotated(context.Background())
+	if adopted != 1 || kept != 1 || cleared != 1 {
+		t.Fatalf("adopted %d kept %d cleared %d, want 1 1 1", adopted, kept, cleared)
+	}
+	if got, want := r.dump("a"), r.ambientRules(); got != want {
+		t.Errorf("the adopted pod's netns:\n%s\nwant:\n%s", got, want)
+	}
+	if got := r.members(); !slices.Equal(got, []string{"mesh/a ambient uid-a"}) {
+		t.Errorf("members %v", got)
+	}
+	r.expect("zt.Track uid-a", "zt.Track uid-c", `annotate plain/b=""`)
+	if got := r.dump("b"); got != "" {
+		t.Errorf("rules left on a pod no longer selected:\n%s", got)
+	}
+}
+
+// A running pod that was never ADDed through nftcni (it started before
+// the plugin was installed) is enrolled once its namespace is labelled,
+// its netns found through /proc.
+func TestLateEnrolmentThroughProc(t *testing.T) {
+	r := newRig(t)
+	r.namespace("mesh", false)
+	r.running("mesh", "a", "uid-a", "10.0.0.5", nil)
+	if err := r.e.Reconcile(context.Background(), "mesh", "a"); err != nil {
+		t.Fatal(err)
+	}
+	if r.dump("a") != "" || len(r.members()) != 0 {
+		t.Fatal("a pod of an unlabelled namespace was enrolled")
+	}
+	r.namespace("mesh", true)
+	if err := r.e.Reconcile(context.Background(), "mesh", "a"); err != nil {
+		t.Fatal(err)
+	}
+	r.expect("find uid-a", "rules.Program", "zt.Add uid-a", `annotate mesh/a="enabled"`)
+	if got, want := r.dump("a"), r.ambientRules(); got != want {
+		t.Errorf("the pod's netns:\n%s\nwant:\n%s", got, want)
 	}
 }
