@@ -87,22 +87,14 @@ func TestImageContents(t *testing.T) {
 	}
 	defer rc.Close()
 	var files []string
-	tr := tar.NewReader(rc)
-	for {
-		h, err := tr.Next()
-		if err == io.EOF {
-			break
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
+	eachEntry(t, rc, func(h *tar.Header, _ io.Reader) {
 		if h.Typeflag == tar.TypeReg {
 			files = append(files, "/"+h.Name)
 			if h.Mode != 0o755 || h.Uid != 0 || h.Gid != 0 {
 				t.Errorf("%s: mode %o owner %d:%d", h.Name, h.Mode, h.Uid, h.Gid)
 			}
 		}
-	}
+	})
 	want := []string{BinDir + "/nftcni", BinDir + "/nftcni-agent"}
 	if !slices.Equal(files, want) {
 		t.Errorf("files %v, want exactly %v", files, want)
@@ -155,27 +147,19 @@ func TestArchiveIsAnOCILayout(t *testing.T) {
 	}
 	defer f.Close()
 	dir := t.TempDir()
-	tr := tar.NewReader(f)
-	for {
-		h, err := tr.Next()
-		if err == io.EOF {
-			break
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
+	eachEntry(t, f, func(h *tar.Header, r io.Reader) {
 		p := filepath.Join(dir, filepath.FromSlash(h.Name))
 		if h.Typeflag == tar.TypeDir {
 			if err := os.MkdirAll(p, 0o755); err != nil {
 				t.Fatal(err)
 			}
-			continue
+			return
 		}
-		b, _ := io.ReadAll(tr)
+		b, _ := io.ReadAll(r)
 		if err := os.WriteFile(p, b, 0o644); err != nil {
 			t.Fatal(err)
 		}
-	}
+	})
 	idx, err := layout.ImageIndexFromPath(dir)
 	if err != nil {
 		t.Fatal(err)
@@ -187,5 +171,22 @@ func TestArchiveIsAnOCILayout(t *testing.T) {
 	want, _ := img.Digest()
 	if m.Manifests[0].Digest != want {
 		t.Errorf("index names %s, the image is %s", m.Manifests[0].Digest, want)
+	}
+}
+
+// eachEntry calls fn for every entry of the tar stream r, with a reader
+// of the entry's content.
+func eachEntry(t *testing.T, r io.Reader, fn func(*tar.Header, io.Reader)) {
+	t.Helper()
+	tr := tar.NewReader(r)
+	for {
+		h, err := tr.Next()
+		if err == io.EOF {
+			return
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		fn(h, tr)
 	}
 }
