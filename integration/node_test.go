@@ -450,10 +450,19 @@ func checkAgentNetnsFds(t *testing.T, n *nodetest.Node, recs []records.Record) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// A netns opened by path (a bind mount under /var/run/netns) reads back
+	// as that path, not as net:[N]: know them by their file system (nsfs)
+	// and inode.
 	node, held := n.Netns(), map[string]int{}
 	for _, fd := range fds {
-		if l, err := os.Readlink(filepath.Join(dir, fd.Name())); err == nil && strings.HasPrefix(l, "net:[") && l != node {
-			held[l]++
+		p := filepath.Join(dir, fd.Name())
+		var fs unix.Statfs_t
+		var st unix.Stat_t
+		if unix.Statfs(p, &fs) != nil || fs.Type != unix.NSFS_MAGIC || unix.Stat(p, &st) != nil {
+			continue
+		}
+		if ino := fmt.Sprintf("net:[%d]", st.Ino); ino != node {
+			held[ino]++
 		}
 	}
 	for _, r := range recs {
