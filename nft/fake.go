@@ -30,6 +30,8 @@ type Fake struct {
 type fakeNetns struct {
 	rs  *Ruleset
 	gen uint32
+	// istio and foreign are what PlantIstio put there.
+	istio, foreign []string
 }
 
 // NewFake is a Fake whose every netns starts empty.
@@ -132,6 +134,59 @@ func (f *Fake) Dump(fd int) string {
 		return dumpRuleset(n.rs)
 	}
 	return ""
+}
+
+// PlantIstio puts istio-cni's state in the netns (what, for logs), and
+// with foreign someone else's rules beside it.
+func (f *Fake) PlantIstio(fd int, what, foreign []string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	n, err := f.netns(fd)
+	if err != nil {
+		panic(err)
+	}
+	n.istio, n.foreign, n.gen = what, foreign, n.gen+1
+}
+
+// Istio is what of istio-cni's state the netns still holds.
+func (f *Fake) Istio(fd int) []string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	n, err := f.netns(fd)
+	if err != nil {
+		return nil
+	}
+	return n.istio
+}
+
+// Survey is SurveyPod's verdict on what PlantIstio put there.
+func (f *Fake) Survey(fd int) ([]string, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	n, err := f.netns(fd)
+	if err != nil {
+		return nil, err
+	}
+	if len(n.istio) > 0 && len(n.foreign) > 0 {
+		return n.istio, &ForeignError{Unknown: n.foreign}
+	}
+	return n.istio, nil
+}
+
+// TakeOver replaces the netns's istio-cni state with rs, as TakeOver does.
+func (f *Fake) TakeOver(fd int, rs *Ruleset) ([]string, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	n, err := f.netns(fd)
+	if err != nil || len(n.istio) == 0 {
+		return nil, err
+	}
+	if len(n.foreign) > 0 {
+		return nil, &ForeignError{Unknown: n.foreign}
+	}
+	was := n.istio
+	n.istio, n.rs, n.gen = nil, rs, n.gen+1
+	return was, nil
 }
 
 // Tamper changes the netns's ruleset as someone else would: edit gets a

@@ -98,6 +98,12 @@ type Rules interface {
 	// objects when the ruleset generation is still gen (0: always list);
 	// it returns the generation it saw.
 	Check(fd int, rs *nft.Ruleset, gen uint32) (uint32, error)
+	// Survey says what of istio-cni's state the netns holds; a
+	// *nft.ForeignError when someone else's rules are there beside it.
+	Survey(fd int) (istio []string, err error)
+	// TakeOver replaces istio-cni's state with rs in one transaction and
+	// says what it replaced (nothing: there was none).
+	TakeOver(fd int, rs *nft.Ruleset) (replaced []string, err error)
 }
 
 // Options are the parts of the node an Enroller works with; nil ones are
@@ -210,6 +216,10 @@ type how struct {
 	restored bool
 	// recorded: the pod's record already says this decision.
 	recorded bool
+	// keepRules: the netns was captured before this enrolment (our rules
+	// intact, or istio-cni's taken over): an undo leaves the rules, since
+	// removing them would let the pod's traffic out.
+	keepRules bool
 }
 
 // enrol brings p into the mesh as d says. Called with p.mu held.
@@ -283,7 +293,7 @@ func (e *Enroller) enrol(ctx context.Context, p *pod, d *wire.Decision, h how) e
 		if ztDone && !h.restored {
 			e.ztunnelRelease(p)
 		}
-		if !h.restored && p.netns != nil {
+		if !h.restored && !h.keepRules && p.netns != nil {
 			if rerr := e.rules.Remove(p.fd()); rerr != nil {
 				e.log.Warn("could not remove the rules of a failed enrolment", "pod", p.id.Key(), "err", rerr)
 			}

@@ -71,6 +71,10 @@ func (r *fakeRules) Program(fd int, b *nft.Batch) error {
 	return r.Fake.Program(fd, b)
 }
 func (r *fakeRules) Remove(fd int) error { r.l.add("rules.Remove"); return r.Fake.Remove(fd) }
+func (r *fakeRules) TakeOver(fd int, rs *nft.Ruleset) ([]string, error) {
+	r.l.add("rules.TakeOver")
+	return r.Fake.TakeOver(fd, rs)
+}
 func (r *fakeRules) Check(fd int, rs *nft.Ruleset, gen uint32) (uint32, error) {
 	r.l.add("rules.Check")
 	return r.Fake.Check(fd, rs, gen)
@@ -112,11 +116,14 @@ func (z *fakeZtunnel) Holds(uid string) bool {
 }
 func (z *fakeZtunnel) State(uid string) string { return "" }
 
-type fakeProbes struct{ l *trail }
+type fakeProbes struct {
+	l      *trail
+	addErr error
+}
 
 func (p *fakeProbes) Add(uid string, ips []netip.Addr) error {
 	p.l.add("probes.Add %s %v", uid, ips)
-	return nil
+	return p.addErr
 }
 func (p *fakeProbes) Remove(uid string, ips []netip.Addr) error {
 	p.l.add("probes.Remove %s %v", uid, ips)
@@ -198,6 +205,7 @@ type rig struct {
 	e       *Enroller
 	netns   map[string]*os.File // by pod name: the file standing in for its netns
 	finder  *fakeFinder
+	probes  *fakeProbes
 }
 
 func newRig(t *testing.T) *rig {
@@ -205,7 +213,7 @@ func newRig(t *testing.T) *rig {
 	l := &trail{}
 	r := &rig{t: t, l: l, store: podsource.NewStore(), rules: &fakeRules{Fake: nft.NewFake(), l: l},
 		zt: &fakeZtunnel{l: l, held: map[string]bool{}}, runDir: t.TempDir(), netns: map[string]*os.File{},
-		finder: &fakeFinder{l: l, netns: map[string]*os.File{}}}
+		finder: &fakeFinder{l: l, netns: map[string]*os.File{}}, probes: &fakeProbes{l: l}}
 	var err error
 	if r.records, err = records.Open(r.runDir); err != nil {
 		t.Fatal(err)
@@ -221,7 +229,7 @@ func (r *rig) enroller() *Enroller {
 	if err != nil {
 		r.t.Fatal(err)
 	}
-	return New(Options{Policy: pol, Store: r.store, Rules: r.rules, Ztunnel: r.zt, Probes: &fakeProbes{l: r.l},
+	return New(Options{Policy: pol, Store: r.store, Rules: r.rules, Ztunnel: r.zt, Probes: r.probes,
 		Records: r.records, Annotator: &fakeAnnotator{l: r.l, store: r.store}, Finder: r.finder, LookupRetries: -1})
 }
 
@@ -678,5 +686,100 @@ func TestLateEnrolmentThroughProc(t *testing.T) {
 	r.expect("find uid-a", "rules.Program", "zt.Add uid-a", `annotate mesh/a="enabled"`)
 	if got, want := r.dump("a"), r.ambientRules(); got != want {
 		t.Errorf("the pod's netns:\n%s\nwant:\n%s", got, want)
+	}
+}
+
+// A pod istio-cni enrolled (annotated, its rules in its netns, no record
+// of ours) is taken over: Istio's rules replaced by ours in one step, in
+// ztunnel's first snapshot. One with someone else's rules beside Istio's is
+// left exactly as it is, its annotation kept, and still in the snapshot.
+func TestHandoverFromIstio(t *testing.T) {
+	r := newRig(t)
+	r.namespace("mesh", true)
+	enabled := map[string]string{istio.AnnRedirection: "enabled"}
+	r.running("mesh", "a", "uid-a", "10.0.0.5", enabled)
+	r.running("mesh", "b", "uid-b", "10.0.0.6", enabled)
+	r.rules.PlantIstio(int(r.netns["a"].Fd()), []string{"table ip nat"}, nil)
+	r.rules.PlantIstio(int(r.netns["b"].Fd()), []string{"table ip nat"}, []string{"table ip filter (3 rules)"})
+
+	adopted, kept, cleared := r.e.AdoptAnnotated(context.Background())
+	if adopted != 1 || kept != 1 || cleared != 0 {
+		t.Fatalf("adopted %d kept %d cleared %d, want 1 1 0", adopted, kept, cleared)
+	}
+	if got, want := r.dump("a"), r.ambientRules(); got != want || len(r.rules.Istio(int(r.netns["a"].Fd()))) != 0 {
+		t.Errorf("the taken-over pod's netns:\n%s\nwant only ours:\n%s (Istio's left: %v)", got, want, r.rules.Istio(int(r.netns["a"].Fd())))
+	}
+	r.expect("rules.TakeOver", "zt.Track uid-a", "zt.Track uid-b")
+	r.expectNot(`annotate mesh/b=""`, "rules.Remove")
+	if r.dump("b") != "" || len(r.rules.Istio(int(r.netns["b"].Fd()))) == 0 {
+		t.Errorf("the refused pod was changed: ours %q, Istio's %v", r.dump("b"), r.rules.Istio(int(r.netns["b"].Fd())))
+	}
+	if got := r.members(); !slices.Equal(got, []string{"mesh/a ambient uid-a"}) {
+		t.Errorf("members %v", got)
+	}
+}
+
+// A takeover whose enrolment fails afterwards (the probe entry, say)
+// leaves the pod with our rules, and the next reconcile enrols it.
+func TestHandoverFailureKeepsCapture(t *testing.T) {
+	r := newRig(t)
+	r.namespace("mesh", true)
+	r.running("mesh", "a", "uid-a", "10.0.0.5", map[string]string{istio.AnnRedirection: "enabled"})
+	r.rules.PlantIstio(int(r.netns["a"].Fd()), []string{"table ip nat"}, nil)
+	r.probes.addErr = errors.New("netlink: ENOENT")
+	if adopted, _, _ := r.e.AdoptAnnotated(context.Background()); adopted != 0 {
+		t.Fatalf("adopted %d with a failing probe set", adopted)
+	}
+	if got, want := r.dump("a"), r.ambientRules(); got != want {
+		t.Errorf("after a failed adoption the pod holds:\n%s\nwant ours (Istio's are gone)", got)
+	}
+	r.probes.addErr = nil
+	if err := r.e.Reconcile(context.Background(), "mesh", "a"); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := r.dump("a"), r.ambientRules(); got != want || len(r.members()) != 1 {
+		t.Errorf("after the next reconcile: members %v, rules:\n%s\nwant:\n%s", r.members(), got, want)
+	}
+}
+
+// A late enrolment that fails (no ztunnel yet, at an agent's start) never
+// takes away a capture the pod already had: our rules from a takeover stay,
+// and so do istio-cni's, which are taken over on the next try.
+func TestFailedLateEnrolmentKeepsExistingCapture(t *testing.T) {
+	r := newRig(t)
+	r.namespace("mesh", true)
+	r.running("mesh", "a", "uid-a", "10.0.0.5", nil)
+	r.running("mesh", "b", "uid-b", "10.0.0.6", nil)
+	b, err := nft.Encode(nft.Ambient(nft.AmbientSpec{DNSCapture: true}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.rules.Fake.Program(int(r.netns["a"].Fd()), b); err != nil {
+		t.Fatal(err)
+	}
+	r.rules.PlantIstio(int(r.netns["b"].Fd()), []string{"table inet istio-ambient-nat"}, nil)
+	r.zt.addErr = errors.New("no ztunnel connection")
+	for _, name := range []string{"a", "b"} {
+		if err := r.e.Reconcile(context.Background(), "mesh", name); err == nil {
+			t.Fatalf("late enrolment of %s succeeded without ztunnel", name)
+		}
+	}
+	if got, want := r.dump("a"), r.ambientRules(); got != want {
+		t.Errorf("our rules after a failed late enrolment:\n%s\nwant them kept:\n%s", got, want)
+	}
+	if r.dump("b") == "" && len(r.rules.Istio(int(r.netns["b"].Fd()))) == 0 {
+		t.Error("a failed late enrolment left the pod with neither Istio's rules nor ours")
+	}
+	r.zt.addErr = nil
+	for _, name := range []string{"a", "b"} {
+		if err := r.e.Reconcile(context.Background(), "mesh", name); err != nil {
+			t.Fatal(err)
+		}
+		if got, want := r.dump(name), r.ambientRules(); got != want {
+			t.Errorf("pod %s once ztunnel is there:\n%s\nwant:\n%s", name, got, want)
+		}
+	}
+	if len(r.rules.Istio(int(r.netns["b"].Fd()))) != 0 || len(r.members()) != 2 {
+		t.Errorf("Istio's left %v, members %v", r.rules.Istio(int(r.netns["b"].Fd())), r.members())
 	}
 }

@@ -97,13 +97,37 @@ func (e *Enroller) reconcilePod(ctx context.Context, p *pod, kp *corev1.Pod) err
 	return nil
 }
 
-// enrolByAgent enrols a running pod, the agent programming its rules.
+// enrolByAgent enrols a running pod, the agent programming its rules. A
+// netns that is captured already keeps its capture whatever happens:
+// istio-cni's rules are taken over (and someone else's beside them leave
+// the pod alone), our own intact rules are left in place, and a failed
+// enrolment removes neither.
 func (e *Enroller) enrolByAgent(ctx context.Context, p *pod, d *wire.Decision, why string) error {
-	_, batch, err := e.batches.get(d)
+	rs, batch, err := e.batches.get(d)
 	if err != nil {
 		return err
 	}
-	if err := e.enrol(ctx, p, d, how{rules: func(context.Context) error { return e.rules.Program(p.fd(), batch) }}); err != nil {
+	istioRules, err := e.rules.Survey(p.fd())
+	if err != nil {
+		return fmt.Errorf("enrolling pod %s: %w", p.id.Key(), err)
+	}
+	h := how{rules: func(context.Context) error { return e.rules.Program(p.fd(), batch) }}
+	switch _, cerr := e.rules.Check(p.fd(), rs, 0); {
+	case len(istioRules) > 0:
+		h.keepRules = true
+		h.rules = func(context.Context) error {
+			replaced, err := e.rules.TakeOver(p.fd(), rs)
+			if err == nil {
+				e.metrics.Handovers.WithLabelValues("taken").Inc()
+				e.log.Info("took a pod over from istio-cni: its rules replaced by ours in one transaction", "pod", p.id.Key(), "uid", p.uid, "replaced", replaced)
+			}
+			return err
+		}
+	case cerr == nil:
+		h.keepRules = true
+		h.rules = func(context.Context) error { return nil }
+	}
+	if err := e.enrol(ctx, p, d, h); err != nil {
 		return err
 	}
 	e.log.Info("pod enrolled by the agent", "pod", p.id.Key(), "mode", d.Mode, "uid", p.uid, "why", why)
@@ -162,7 +186,9 @@ func (e *Enroller) find(kp *corev1.Pod, ips []netip.Prefix) (*pod, error) {
 	if err != nil {
 		return nil, err
 	}
-	id := wire.Pod{Namespace: kp.Namespace, Name: kp.Name, UID: string(kp.UID), IPs: ips,
+	// The netns is known by the pod's process (/proc/PID/ns/net), which
+	// inspect can open while the pod runs.
+	id := wire.Pod{Namespace: kp.Namespace, Name: kp.Name, UID: string(kp.UID), IPs: ips, Netns: f.Name(),
 		Attachment: wire.Attachment{ContainerID: "found:" + string(kp.UID), IfName: "eth0"}}
 	p := &pod{id: id, uid: string(kp.UID), d: none("found through /proc"), netns: f}
 	e.mu.Lock()

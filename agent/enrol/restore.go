@@ -10,6 +10,7 @@ import (
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
+	corev1 "k8s.io/api/core/v1"
 
 	"github.com/nftcni/nftcni/agent/records"
 	"github.com/nftcni/nftcni/agent/zds"
@@ -187,18 +188,24 @@ func (e *Enroller) AdoptAnnotated(ctx context.Context) (adopted, kept, cleared i
 		p, err := e.find(kp, ips)
 		switch {
 		case d.Mode == wire.ModeAmbient && err == nil:
-			if e.adopt(ctx, p, d) == nil {
+			aerr := e.adopt(ctx, p, d)
+			if aerr == nil {
 				adopted++
 				continue
 			}
-		case d.Mode == wire.ModeAmbient:
-			if e.opts.Ztunnel != nil && kp.UID != "" {
-				info := zds.WorkloadInfo{Name: kp.Name, Namespace: kp.Namespace, ServiceAccount: kp.Spec.ServiceAccountName}
-				if info.ServiceAccount == "" {
-					info.ServiceAccount = "default"
-				}
-				e.opts.Ztunnel.Track(string(kp.UID), info, nil)
+			var foreign *nft.ForeignError
+			if errors.As(aerr, &foreign) {
+				// istio-cni's rules with someone else's: left exactly as they
+				// are, and ztunnel keeps the workload it is serving.
+				e.metrics.Handovers.WithLabelValues("refused").Inc()
+				e.log.Error("not taking a pod over from istio-cni: its netns holds rules of someone else beside Istio's; left as it is (drain the node to move it)",
+					"pod", key, "uid", kp.UID, "err", aerr)
+				e.keepInZtunnel(kp)
+				kept++
+				continue
 			}
+		case d.Mode == wire.ModeAmbient:
+			e.keepInZtunnel(kp)
 			e.log.Warn("pod annotated as enrolled but its netns was not found; kept in ztunnel's snapshot without one", "pod", key, "err", err)
 			kept++
 			continue
@@ -218,6 +225,20 @@ func (e *Enroller) AdoptAnnotated(ctx context.Context) (adopted, kept, cleared i
 	return adopted, kept, cleared
 }
 
+// keepInZtunnel keeps a pod in ztunnel's snapshot without a netns (ZDS
+// KeepWorkload, as istio-cni does), so ztunnel does not drop a proxy that
+// may be serving it.
+func (e *Enroller) keepInZtunnel(kp *corev1.Pod) {
+	if e.opts.Ztunnel == nil || kp.UID == "" {
+		return
+	}
+	info := zds.WorkloadInfo{Name: kp.Name, Namespace: kp.Namespace, ServiceAccount: kp.Spec.ServiceAccountName}
+	if info.ServiceAccount == "" {
+		info.ServiceAccount = "default"
+	}
+	e.opts.Ztunnel.Track(string(kp.UID), info, nil)
+}
+
 // adopt enrols a running pod found through /proc, its rules verified and
 // repaired by the agent, ztunnel getting it in its first snapshot.
 func (e *Enroller) adopt(ctx context.Context, p *pod, d *wire.Decision) error {
@@ -227,7 +248,23 @@ func (e *Enroller) adopt(ctx context.Context, p *pod, d *wire.Decision) error {
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	// istio-cni's rules in the pod (a live migration from it): ours replace
+	// them in one transaction, unless someone else's rules are there too,
+	// in which case nothing is touched.
+	istio, err := e.rules.Survey(p.fd())
+	if err != nil {
+		return err
+	}
 	repair := func(context.Context) error {
+		if len(istio) > 0 {
+			replaced, err := e.rules.TakeOver(p.fd(), rs)
+			if err != nil {
+				return err
+			}
+			e.metrics.Handovers.WithLabelValues("taken").Inc()
+			e.log.Info("took a pod over from istio-cni: its rules replaced by ours in one transaction", "pod", p.id.Key(), "uid", p.uid, "replaced", replaced)
+			return nil
+		}
 		_, err := e.rules.Check(p.fd(), rs, 0)
 		var drift *nft.DriftError
 		if errors.As(err, &drift) {

@@ -30,6 +30,27 @@ func (NftRules) Check(fd int, rs *nft.Ruleset, gen uint32) (uint32, error) {
 	return nft.Check(fd, rs, gen)
 }
 
+// Survey is nft.SurveyPod: istio-cni's state, refused beside others'.
+func (NftRules) Survey(fd int) ([]string, error) {
+	s, err := nft.SurveyPod(fd)
+	if err != nil {
+		return nil, err
+	}
+	if s.Found() && len(s.Unknown) > 0 {
+		return s.What(), &nft.ForeignError{Unknown: s.Unknown}
+	}
+	return s.What(), nil
+}
+
+// TakeOver is nft.TakeOver of what a fresh survey finds.
+func (NftRules) TakeOver(fd int, rs *nft.Ruleset) ([]string, error) {
+	s, err := nft.SurveyPod(fd)
+	if err != nil || !s.Found() {
+		return nil, err
+	}
+	return s.What(), nft.TakeOver(fd, rs, s)
+}
+
 // batchCache keeps the encoded batch of each decision seen: a node's pods
 // share a handful of specs, and encoding warm costs more than a lookup.
 type batchCache struct {

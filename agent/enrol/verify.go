@@ -34,6 +34,9 @@ type Metrics struct {
 	Repairs  prometheus.Counter
 	Verified prometheus.Gauge
 	Pass     prometheus.Gauge
+	// Handovers counts pods found with istio-cni's rules: taken over, or
+	// refused (other rules beside them) and left as they were.
+	Handovers *prometheus.CounterVec
 }
 
 // NewMetrics registers the metrics with reg (nil: unregistered).
@@ -45,9 +48,12 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "Enrolled pods whose ruleset the last verification pass checked (intact, or repaired)."}),
 		Pass: prometheus.NewGauge(prometheus.GaugeOpts{Name: "nftcni_ruleset_verify_pass_seconds",
 			Help: "Wall time of the last verification pass over every enrolled pod."}),
+		Handovers: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "nftcni_istio_handover_pods_total",
+			Help: "Pods found with istio-cni's rules in their netns: result taken (replaced by ours in one transaction) or refused (rules of someone else beside them; left as they were)."},
+			[]string{"result"}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.Repairs, m.Verified, m.Pass)
+		reg.MustRegister(m.Repairs, m.Verified, m.Pass, m.Handovers)
 	}
 	return m
 }

@@ -140,6 +140,11 @@ func Start(ctx context.Context, cfg Config) (_ *Node, err error) {
 		return nil, fmt.Errorf("host probe table in %s: %w%s", cfg.HostNetns, err, capsHint)
 	}
 	n.closers = append(n.closers, func() { n.Host.Close() })
+	// The table exists (with whatever it holds) before any pod is restored
+	// or adopted: their probe entries go into it.
+	if _, err := n.Host.Assert(nil, true); err != nil {
+		return nil, fmt.Errorf("host probe table in %s: %w%s", cfg.HostNetns, err, capsHint)
+	}
 	recs, err := records.Open(cfg.RunDir)
 	if err != nil {
 		return nil, fmt.Errorf("pod records in %s: %w", cfg.RunDir, err)
@@ -244,6 +249,17 @@ func Start(ctx context.Context, cfg Config) (_ *Node, err error) {
 		return nil, fmt.Errorf("host probe table in %s: %w%s", cfg.HostNetns, err, capsHint)
 	}
 	log.Info("host probe SNAT table in place", "netns", cfg.HostNetns, "table", "inet "+nft.HostTable)
+	// istio-cni's probe SNAT (a live migration from it) goes once ours
+	// covers the pods taken over.
+	if s, err := nft.SurveyHost(int(hostNetns.Fd())); err != nil {
+		log.Warn("could not look for istio-cni's host probe state", "netns", cfg.HostNetns, "err", err)
+	} else if s.Found() {
+		if err := nft.RemoveIstioHost(int(hostNetns.Fd()), s); err != nil {
+			log.Error("could not remove istio-cni's host probe state; probes still work through ours", "netns", cfg.HostNetns, "err", err)
+		} else {
+			log.Info("removed istio-cni's host probe state", "netns", cfg.HostNetns, "removed", s.What())
+		}
+	}
 	guard := cfg.HostGuardEvery
 	if guard <= 0 {
 		guard = 10 * time.Second
