@@ -21,6 +21,8 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -57,7 +59,12 @@ type Agent struct {
 	RunDir        string // CNI_AGENT_RUN_DIR: its sockets and the plugin's kubeconfig
 	ZtunnelSocket string
 	log           string
+	stop          func()
 }
+
+// Stop stops the agent as Kubernetes stops a pod (SIGTERM, then SIGKILL
+// after 5 s) and waits for it.
+func (a *Agent) Stop() { a.stop() }
 
 // Log is the agent's output so far.
 func (a *Agent) Log() string {
@@ -146,16 +153,20 @@ func Start(t testing.TB, o Options) *Agent {
 	}
 	exited := make(chan struct{})
 	go func() { _ = cmd.Wait(); close(exited) }()
-	t.Cleanup(func() {
-		_ = cmd.Process.Signal(os.Interrupt)
-		select {
-		case <-exited:
-		case <-time.After(5 * time.Second):
-			_ = cmd.Process.Kill()
-			<-exited
-		}
-		log.Close()
-	})
+	var once sync.Once
+	a.stop = func() {
+		once.Do(func() {
+			_ = cmd.Process.Signal(syscall.SIGTERM)
+			select {
+			case <-exited:
+			case <-time.After(5 * time.Second):
+				_ = cmd.Process.Kill()
+				<-exited
+			}
+			log.Close()
+		})
+	}
+	t.Cleanup(a.stop)
 	for deadline := time.Now().Add(60 * time.Second); ; time.Sleep(50 * time.Millisecond) {
 		patched := false
 		if ents, _ := os.ReadDir(o.ConfDir); len(ents) > 0 {

@@ -1,0 +1,329 @@
+package integration
+
+// Live handover from istio-cni: Istio's own agent and plugin enrol pods,
+// Istio's agent goes the way its DaemonSet goes in an upgrade, nftcni
+// starts on the node and takes every pod over without a restart.
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/containernetworking/cni/libcni"
+	current "github.com/containernetworking/cni/pkg/types/100"
+	cnins "github.com/containernetworking/plugins/pkg/ns"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/nftcni/nftcni/agent/enablement"
+	"github.com/nftcni/nftcni/agent/inspect"
+	kubesrc "github.com/nftcni/nftcni/agent/kube"
+	"github.com/nftcni/nftcni/agent/node"
+	"github.com/nftcni/nftcni/agent/zds"
+	"github.com/nftcni/nftcni/integration/istiotest"
+	"github.com/nftcni/nftcni/integration/kubetest"
+	"github.com/nftcni/nftcni/internal/testnet"
+	"github.com/nftcni/nftcni/internal/ztunneltest"
+	"github.com/nftcni/nftcni/istio"
+)
+
+// istioPods is a node where Istio's agent enrolled pods.
+type istioPods struct {
+	n       *cniNode
+	kube    *kubetest.Server
+	node    string
+	confDir string
+	pods    []*testnet.NS
+	names   []string
+	uids    []string
+	ips     []string
+	agent   *istiotest.Agent
+	z       *ztunneltest.Ztunnel
+}
+
+func enrolWithIstio(t *testing.T, kube *kubetest.Server, subnet, count int, nftables bool) *istioPods {
+	ctx := context.Background()
+	h := &istioPods{n: newCNINode(t, subnet), kube: kube, node: fmt.Sprintf("handover-%d", subnet)}
+	if _, err := kube.Client.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: h.node}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	h.confDir = filepath.Join(dir, "net.d")
+	istioBin := filepath.Join(dir, "bin")
+	for _, d := range []string{h.confDir, istioBin} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	conf := filepath.Join(h.confDir, "10-bridge.conflist")
+	if err := os.WriteFile(conf, h.n.primary("bridge", "1.0.0"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < count; i++ {
+		name := fmt.Sprintf("app-%d-%d", subnet, i)
+		p, err := kube.Client.CoreV1().Pods(meshNS).Create(ctx, &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: meshNS},
+			Spec: corev1.PodSpec{NodeName: h.node, Containers: []corev1.Container{{Name: "app", Image: "app"}}}}, metav1.CreateOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		h.names, h.uids = append(h.names, name), append(h.uids, string(p.UID))
+		h.pods = append(h.pods, testnet.NewNS(t, "handover"))
+	}
+	api := istiotest.Relay(t, h.n.node, strings.TrimPrefix(kube.Config.Host, "https://"))
+	h.agent = istiotest.Start(t, istiotest.Options{Node: h.n.node, ConfDir: h.confDir, BinDir: istioBin, APIHost: api,
+		Token: kube.Token, NodeName: h.node, Nftables: nftables})
+	h.z = ztunneltest.Connect(t, h.agent.ZtunnelSocket)
+	withIstio, err := libcni.ConfListFromFile(conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.n.cni = libcni.NewCNIConfigWithCacheDir([]string{referencePlugins(t), istioBin}, t.TempDir(), nil)
+	time.Sleep(500 * time.Millisecond) // the agent's informer has the pods
+	for i, p := range h.pods {
+		rt := runtimeConf(p, meshNS, h.names[i], nil)
+		rt.Args[3][1] = h.uids[i]
+		res, err := h.n.add(withIstio, rt)
+		if err != nil {
+			t.Fatalf("ADD through Istio: %v\n%s", err, h.agent.Log())
+		}
+		h.z.Wait(zds.KindAdd, h.uids[i], 10*time.Second)
+		// kubelet reports the pod's IP, which a /proc scan checks.
+		r, err := current.NewResultFromResult(res)
+		if err != nil || len(r.IPs) == 0 {
+			t.Fatalf("ADD result %v: %v", res, err)
+		}
+		ip := r.IPs[0].Address.IP.String()
+		h.ips = append(h.ips, ip)
+		kp, err := kube.Client.CoreV1().Pods(meshNS).Get(ctx, h.names[i], metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		kp.Status.Phase, kp.Status.PodIP, kp.Status.PodIPs = corev1.PodRunning, ip, []corev1.PodIP{{IP: ip}}
+		if _, err := kube.Client.CoreV1().Pods(meshNS).UpdateStatus(ctx, kp, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return h
+}
+
+// TestHandoverFromIstio is the live migration, for each of Istio's
+// backends: Istio's real agent and plugin enrol pods, a connection loop
+// runs in every pod, Istio's agent stops as its DaemonSet's removal stops
+// it (its in-pod rules stay), and nftcni starts on the same ZDS socket
+// path: every pod ends with exactly nftcni's ruleset, no connection of any
+// loop escaped capture or failed, ztunnel's snapshot holds every pod,
+// probes from the host still reach the pods, and Istio's host state is
+// gone.
+func TestHandoverFromIstio(t *testing.T) {
+	istiotest.Bins(t)
+	kube := kubetest.Start(t)
+	for _, ns := range []string{meshNS, "istio-system"} {
+		labels := map[string]string{}
+		if ns == meshNS {
+			labels[istio.LabelDataplaneMode] = istio.DataplaneAmbient
+		}
+		if _, err := kube.Client.CoreV1().Namespaces().Create(context.Background(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns, Labels: labels}}, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i, backend := range []string{"iptables", "nftables"} {
+		t.Run(backend, func(t *testing.T) { testHandover(t, kube, 84+i, 20, backend == "nftables") })
+	}
+}
+
+func testHandover(t *testing.T, kube *kubetest.Server, subnet, count int, nftables bool) {
+	h := enrolWithIstio(t, kube, subnet, count, nftables)
+	gw := fmt.Sprintf("10.88.%d.1", subnet)
+	real := h.n.node.Listen(t, gw+":9080", false)
+	var escaped atomic.Int64
+	go acceptAll(real, &escaped)
+	var captured atomic.Int64
+	for _, uid := range h.uids {
+		go acceptAll(h.z.Pod(uid).Outbound, &captured)
+	}
+	loops := make([]*dialLoop, len(h.pods))
+	for i, p := range h.pods {
+		loops[i] = startDialLoop(t, p, gw+":9080", 50*time.Millisecond)
+	}
+	time.Sleep(300 * time.Millisecond)
+	if captured.Load() == 0 || escaped.Load() != 0 {
+		t.Fatalf("under Istio: captured %d escaped %d", captured.Load(), escaped.Load())
+	}
+	before := captured.Load()
+
+	// Istio's agent goes: its DaemonSet is being replaced. Its rules stay
+	// in the pods, and ztunnel keeps serving them.
+	h.agent.Stop()
+	time.Sleep(200 * time.Millisecond)
+
+	// nftcni starts on the node, serving ztunnel on the same socket path.
+	kc, err := kubesrc.NewClient(kube.Config)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, uid := range h.uids {
+		testnet.PodProcess(t, h.pods[slices.Index(h.uids, uid)], uid) // what /proc shows of a running pod
+	}
+	policy, err := enablement.Compile(enablement.DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	run := t.TempDir()
+	logs := &syncBuffer{}
+	started := time.Now()
+	a, err := node.Start(context.Background(), node.Config{RunDir: run, HostNetns: h.n.node.Path, ProcDir: "/proc",
+		ZtunnelSocket: h.agent.ZtunnelSocket, IPv6: true, Policy: policy, Kube: kc, NodeName: h.node,
+		Log: slog.New(slog.NewTextHandler(logs, nil))})
+	if err != nil {
+		t.Fatalf("starting nftcni: %v\n%s", err, logs)
+	}
+	took := time.Since(started)
+	t.Cleanup(a.Stop)
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("nftcni's log:\n%s", logs)
+		}
+	})
+	z2 := ztunneltest.Connect(t, h.agent.ZtunnelSocket)
+	z2.Wait(zds.KindSnapshotSent, "", 10*time.Second)
+	for _, uid := range h.uids {
+		if p := z2.Pod(uid); p == nil {
+			t.Errorf("ztunnel's snapshot from nftcni lacks pod %s", uid)
+		} else {
+			go acceptAll(p.Outbound, &captured) // the new listeners share the port
+		}
+	}
+	time.Sleep(500 * time.Millisecond)
+	for _, l := range loops {
+		l.stop()
+	}
+	after := captured.Load()
+	failed := 0
+	for _, l := range loops {
+		failed += l.failed()
+	}
+	t.Logf("handover of %d pods (Istio %s backend): nftcni started in %v; captured %d -> %d, escaped %d, failed %d",
+		count, map[bool]string{false: "iptables", true: "nftables"}[nftables], took.Round(time.Millisecond), before, after, escaped.Load(), failed)
+	if escaped.Load() != 0 || failed != 0 || after <= before {
+		t.Errorf("connection loops across the handover: escaped %d, failed %d, captured %d -> %d", escaped.Load(), failed, before, after)
+	}
+	if !strings.Contains(logs.String(), "took a pod over from istio-cni") {
+		t.Errorf("nftcni's log says no pod was taken over:\n%s", logs)
+	}
+
+	// Every pod holds exactly nftcni's ruleset, and inspect says so.
+	in := &inspect.Inspector{RunDir: run, HostNetns: h.n.node.Path, IPv6: true}
+	for i, p := range h.pods {
+		ruleset := nftRuleset(t, p)
+		if strings.Contains(ruleset, "istio") || strings.Contains(ruleset, "ISTIO") || !strings.Contains(ruleset, "table inet nftcni") {
+			t.Errorf("pod %s after the handover:\n%s", h.names[i], ruleset)
+		}
+		var out strings.Builder
+		if err := in.Target(&out, meshNS+"/"+h.names[i]); err != nil {
+			t.Errorf("inspect %s: %v\n%s", h.names[i], err, out.String())
+		}
+	}
+	// Istio's host probe SNAT is gone; ours probes every pod.
+	if host := nftRuleset(t, h.n.node); strings.Contains(host, "istio") || strings.Contains(host, "ISTIO") {
+		t.Errorf("Istio's host state left after the handover:\n%s", host)
+	}
+	for i, p := range h.pods {
+		app := p.Listen(t, "0.0.0.0:8080", false)
+		c, err := h.n.node.Dial(t, "tcp", h.ips[i]+":8080", testnet.DialOpts{})
+		if err != nil {
+			t.Errorf("probe of %s from the host: %v", h.names[i], err)
+			continue
+		}
+		got, err := testnet.Accept(t, app, 2*time.Second)
+		c.Close()
+		if err != nil || got.Remote.Addr() != istio.ProbeSNATv4 {
+			t.Errorf("probe of %s from the host: %+v %v, want it from %s", h.names[i], got, err, istio.ProbeSNATv4)
+		}
+		app.Close()
+	}
+}
+
+// nftRuleset is `nft list ruleset` in ns (tests may read rules with nft).
+func nftRuleset(t *testing.T, ns *testnet.NS) string {
+	t.Helper()
+	out, err := exec.Command("ip", "netns", "exec", ns.Name, "nft", "list", "ruleset").CombinedOutput()
+	if err != nil {
+		t.Fatalf("nft list ruleset: %v\n%s", err, out)
+	}
+	return string(out)
+}
+
+// acceptAll counts the connections l accepts until it closes.
+func acceptAll(l net.Listener, n *atomic.Int64) {
+	for {
+		c, err := l.Accept()
+		if err != nil {
+			return
+		}
+		n.Add(1)
+		c.Close()
+	}
+}
+
+// dialLoop connects from a pod to addr every interval, counting failures.
+type dialLoop struct {
+	quit, done chan struct{}
+	fails      atomic.Int64
+	errs       []string
+}
+
+func startDialLoop(t *testing.T, pod *testnet.NS, addr string, every time.Duration) *dialLoop {
+	l := &dialLoop{quit: make(chan struct{}), done: make(chan struct{})}
+	netns, err := cnins.GetNS(pod.Path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		defer close(l.done)
+		defer netns.Close()
+		tick := time.NewTicker(every)
+		defer tick.Stop()
+		for {
+			select {
+			case <-l.quit:
+				return
+			case <-tick.C:
+			}
+			var c net.Conn
+			derr := netns.Do(func(cnins.NetNS) error {
+				var err error
+				c, err = net.DialTimeout("tcp", addr, time.Second)
+				return err
+			})
+			if derr != nil {
+				if l.fails.Add(1) <= 3 {
+					l.errs = append(l.errs, derr.Error())
+				}
+				continue
+			}
+			c.Close()
+		}
+	}()
+	t.Cleanup(l.stop)
+	return l
+}
+
+func (l *dialLoop) stop() {
+	select {
+	case <-l.quit:
+	default:
+		close(l.quit)
+	}
+	<-l.done
+}
+
+func (l *dialLoop) failed() int { return int(l.fails.Load()) }
