@@ -30,8 +30,8 @@ type Fake struct {
 type fakeNetns struct {
 	rs  *Ruleset
 	gen uint32
-	// istio and foreign are what PlantIstio put there.
-	istio, foreign []string
+	// istio is what PlantIstio put there.
+	istio *IstioState
 }
 
 // NewFake is a Fake whose every netns starts empty.
@@ -136,39 +136,38 @@ func (f *Fake) Dump(fd int) string {
 	return ""
 }
 
-// PlantIstio puts istio-cni's state in the netns (what, for logs), and
-// with foreign someone else's rules beside it.
-func (f *Fake) PlantIstio(fd int, what, foreign []string) {
+// PlantIstio puts istio-cni's state (as SurveyPod would find it) in the
+// netns.
+func (f *Fake) PlantIstio(fd int, s *IstioState) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	n, err := f.netns(fd)
 	if err != nil {
 		panic(err)
 	}
-	n.istio, n.foreign, n.gen = what, foreign, n.gen+1
+	n.istio, n.gen = s, n.gen+1
 }
 
-// Istio is what of istio-cni's state the netns still holds.
-func (f *Fake) Istio(fd int) []string {
+// Istio is what of istio-cni's state the netns still holds (nil: none).
+func (f *Fake) Istio(fd int) *IstioState {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	n, err := f.netns(fd)
-	if err != nil {
-		return nil
+	if n, err := f.netns(fd); err == nil {
+		return n.istio
 	}
-	return n.istio
+	return nil
 }
 
-// Survey is SurveyPod's verdict on what PlantIstio put there.
-func (f *Fake) Survey(fd int) ([]string, error) {
+// Survey is what SurveyPod would find: what PlantIstio put there.
+func (f *Fake) Survey(fd int) (*IstioState, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	n, err := f.netns(fd)
 	if err != nil {
 		return nil, err
 	}
-	if len(n.istio) > 0 && len(n.foreign) > 0 {
-		return n.istio, &ForeignError{Unknown: n.foreign}
+	if n.istio == nil {
+		return &IstioState{}, nil
 	}
 	return n.istio, nil
 }
@@ -178,13 +177,13 @@ func (f *Fake) TakeOver(fd int, rs *Ruleset) ([]string, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	n, err := f.netns(fd)
-	if err != nil || len(n.istio) == 0 {
+	if err != nil || n.istio == nil || !n.istio.Found() {
 		return nil, err
 	}
-	if len(n.foreign) > 0 {
-		return nil, &ForeignError{Unknown: n.foreign}
+	if len(n.istio.Unknown) > 0 || len(n.istio.Legacy) > 0 {
+		return nil, &ForeignError{Unknown: n.istio.Unknown, Legacy: n.istio.Legacy}
 	}
-	was := n.istio
+	was := n.istio.What()
 	n.istio, n.rs, n.gen = nil, rs, n.gen+1
 	return was, nil
 }

@@ -3,6 +3,7 @@ package nft
 import (
 	"errors"
 	"fmt"
+	"os"
 	"slices"
 	"strings"
 	"time"
@@ -55,6 +56,9 @@ type IstioState struct {
 	// Unknown is everything else that holds rules: while there is any, the
 	// netns is not taken over.
 	Unknown []string
+	// Legacy lists the iptables-legacy (x_tables) tables loaded in the
+	// netns: rules nf_tables cannot see, read or replace atomically.
+	Legacy []string
 }
 
 type istioChain struct {
@@ -79,17 +83,61 @@ func (s *IstioState) What() []string {
 }
 
 // ForeignError is a netns that holds rules nftcni does not recognise next
-// to istio-cni's: it is left exactly as it is.
-type ForeignError struct{ Unknown []string }
+// to istio-cni's, or iptables-legacy rules: it is left exactly as it is.
+type ForeignError struct{ Unknown, Legacy []string }
 
 func (e *ForeignError) Error() string {
+	if len(e.Legacy) > 0 {
+		return "holds iptables-legacy (x_tables) tables " + strings.Join(e.Legacy, ", ") +
+			", which nf_tables can neither read nor replace atomically: left as it is; drain this node to move it to nftcni"
+	}
 	return "holds rules that are neither istio-cni's nor ours, left as they are: " + strings.Join(e.Unknown, "; ")
 }
 
-// SurveyPod reads a pod's netns for istio-cni's in-pod state. Our own table
-// is not counted; tables with no rules are ignored.
+// Refused says whether istio-cni's state here must be left as it is:
+// someone else's rules are beside it. (Legacy tables are for the caller to
+// weigh: they matter only where istio-cni is known to have enrolled.)
+func (s *IstioState) Refused() error {
+	if s.Found() && len(s.Unknown) > 0 {
+		return &ForeignError{Unknown: s.Unknown}
+	}
+	return nil
+}
+
+// SurveyPod reads a pod's netns for istio-cni's in-pod state, and for
+// iptables-legacy tables. Our own table is not counted; tables with no
+// rules are ignored.
 func SurveyPod(fd int) (*IstioState, error) {
-	return survey(fd, false)
+	s, err := survey(fd, false)
+	if err != nil {
+		return nil, err
+	}
+	if s.Legacy, err = legacyTables(fd); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+// legacyTables lists the x_tables tables loaded in the netns behind fd, as
+// its /proc/net/ip_tables_names and ip6_tables_names say.
+func legacyTables(fd int) ([]string, error) {
+	var out []string
+	err := inNetns(fd, func() error {
+		for _, f := range []struct{ fam, path string }{{"ip", "/proc/thread-self/net/ip_tables_names"}, {"ip6", "/proc/thread-self/net/ip6_tables_names"}} {
+			b, err := os.ReadFile(f.path)
+			if errors.Is(err, os.ErrNotExist) {
+				continue // no x_tables in this kernel
+			}
+			if err != nil {
+				return err
+			}
+			for _, name := range strings.Fields(string(b)) {
+				out = append(out, f.fam+" "+name)
+			}
+		}
+		return nil
+	})
+	return out, err
 }
 
 // SurveyHost reads the host's netns for istio-cni's probe SNAT state. Only
@@ -232,8 +280,8 @@ func ruleCount(c *nftables.Conn, t *nftables.Table, chains []*nftables.Chain) (i
 // neither. The policy routes are the same as Istio's and are asserted
 // after. s must come from SurveyPod and hold nothing unknown.
 func TakeOver(fd int, rs *Ruleset, s *IstioState) error {
-	if len(s.Unknown) > 0 {
-		return &ForeignError{Unknown: s.Unknown}
+	if len(s.Unknown) > 0 || len(s.Legacy) > 0 {
+		return &ForeignError{Unknown: s.Unknown, Legacy: s.Legacy}
 	}
 	c, err := conn(fd)
 	if err != nil {

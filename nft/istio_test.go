@@ -119,6 +119,32 @@ func TestTakeOverFromIstio(t *testing.T) {
 	})
 }
 
+// A pod whose capture lives in iptables-legacy (x_tables, which nf_tables
+// cannot see) is refused with the advice to drain, and left as it is.
+func TestTakeOverRefusesIptablesLegacy(t *testing.T) {
+	if _, err := exec.LookPath("iptables-legacy"); err != nil {
+		t.Skip("iptables-legacy (Debian iptables) makes the fixture")
+	}
+	n := testnet.NewNS(t, "legacy")
+	if out, err := exec.Command("ip", "netns", "exec", n.Name, "iptables-legacy", "-t", "nat", "-A", "OUTPUT", "-p", "tcp", "-j", "REDIRECT", "--to-ports", "15001").CombinedOutput(); err != nil {
+		t.Skipf("iptables-legacy cannot add a rule here: %v %s", err, out)
+	}
+	s, err := SurveyPod(n.FD)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(s.Legacy) != 1 || s.Legacy[0] != "ip nat" {
+		t.Fatalf("survey of a netns with iptables-legacy rules: legacy %v", s.Legacy)
+	}
+	var fe *ForeignError
+	if err := TakeOver(n.FD, Ambient(AmbientSpec{}), s); !errors.As(err, &fe) || !strings.Contains(err.Error(), "drain") {
+		t.Errorf("TakeOver: %v, want a refusal that says to drain", err)
+	}
+	if got := listRuleset(t, n); strings.Contains(got, "nftcni") {
+		t.Errorf("a refused netns got our table:\n%s", got)
+	}
+}
+
 func b2i(b bool) int {
 	if b {
 		return 1

@@ -124,6 +124,35 @@ func dialIn(fd int, protos ...int) ([]int, error) {
 	return r.socks, r.err
 }
 
+// inNetns runs f on a thread inside the netns behind fd (for what only a
+// netns's own /proc/thread-self shows), with dialIn's care for the thread.
+func inNetns(fd int, f func() error) error {
+	done := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		self, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			runtime.UnlockOSThread()
+			done <- fmt.Errorf("opening this thread's netns: %w", err)
+			return
+		}
+		defer unix.Close(self)
+		if err := unix.Setns(fd, unix.CLONE_NEWNET); err != nil {
+			runtime.UnlockOSThread()
+			done <- fmt.Errorf("entering the pod's netns: %w", err)
+			return
+		}
+		ferr := f()
+		if serr := unix.Setns(self, unix.CLONE_NEWNET); serr != nil {
+			done <- fmt.Errorf("leaving the pod's netns: %w", serr)
+			return // still locked: this thread ends with the goroutine
+		}
+		runtime.UnlockOSThread()
+		done <- ferr
+	}()
+	return <-done
+}
+
 func openSockets(protos []int) ([]int, error) {
 	var socks []int
 	for _, p := range protos {

@@ -98,9 +98,9 @@ type Rules interface {
 	// objects when the ruleset generation is still gen (0: always list);
 	// it returns the generation it saw.
 	Check(fd int, rs *nft.Ruleset, gen uint32) (uint32, error)
-	// Survey says what of istio-cni's state the netns holds; a
-	// *nft.ForeignError when someone else's rules are there beside it.
-	Survey(fd int) (istio []string, err error)
+	// Survey says what of istio-cni's state the netns holds, and what
+	// iptables-legacy tables.
+	Survey(fd int) (*nft.IstioState, error)
 	// TakeOver replaces istio-cni's state with rs in one transaction and
 	// says what it replaced (nothing: there was none).
 	TakeOver(fd int, rs *nft.Ruleset) (replaced []string, err error)

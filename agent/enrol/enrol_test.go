@@ -16,11 +16,13 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/google/nftables"
 	"github.com/nftcni/nftcni/agent/enablement"
 	"github.com/nftcni/nftcni/agent/podsource"
 	"github.com/nftcni/nftcni/agent/records"
 	"github.com/nftcni/nftcni/agent/zds"
 	"github.com/nftcni/nftcni/istio"
+
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
@@ -71,6 +73,12 @@ func (r *fakeRules) Program(fd int, b *nft.Batch) error {
 	return r.Fake.Program(fd, b)
 }
 func (r *fakeRules) Remove(fd int) error { r.l.add("rules.Remove"); return r.Fake.Remove(fd) }
+
+// istioNat is istio-cni's iptables backend's state as a survey finds it.
+func istioNat() *nft.IstioState {
+	return &nft.IstioState{Tables: []nft.TableRef{{Family: nftables.TableFamilyIPv4, Name: "nat"}}}
+}
+
 func (r *fakeRules) TakeOver(fd int, rs *nft.Ruleset) ([]string, error) {
 	r.l.add("rules.TakeOver")
 	return r.Fake.TakeOver(fd, rs)
@@ -699,19 +707,19 @@ func TestHandoverFromIstio(t *testing.T) {
 	enabled := map[string]string{istio.AnnRedirection: "enabled"}
 	r.running("mesh", "a", "uid-a", "10.0.0.5", enabled)
 	r.running("mesh", "b", "uid-b", "10.0.0.6", enabled)
-	r.rules.PlantIstio(int(r.netns["a"].Fd()), []string{"table ip nat"}, nil)
-	r.rules.PlantIstio(int(r.netns["b"].Fd()), []string{"table ip nat"}, []string{"table ip filter (3 rules)"})
+	r.rules.PlantIstio(int(r.netns["a"].Fd()), istioNat())
+	r.rules.PlantIstio(int(r.netns["b"].Fd()), &nft.IstioState{Tables: istioNat().Tables, Unknown: []string{"table ip filter (3 rules)"}})
 
 	adopted, kept, cleared := r.e.AdoptAnnotated(context.Background())
 	if adopted != 1 || kept != 1 || cleared != 0 {
 		t.Fatalf("adopted %d kept %d cleared %d, want 1 1 0", adopted, kept, cleared)
 	}
-	if got, want := r.dump("a"), r.ambientRules(); got != want || len(r.rules.Istio(int(r.netns["a"].Fd()))) != 0 {
+	if got, want := r.dump("a"), r.ambientRules(); got != want || r.rules.Istio(int(r.netns["a"].Fd())) != nil {
 		t.Errorf("the taken-over pod's netns:\n%s\nwant only ours:\n%s (Istio's left: %v)", got, want, r.rules.Istio(int(r.netns["a"].Fd())))
 	}
 	r.expect("rules.TakeOver", "zt.Track uid-a", "zt.Track uid-b")
 	r.expectNot(`annotate mesh/b=""`, "rules.Remove")
-	if r.dump("b") != "" || len(r.rules.Istio(int(r.netns["b"].Fd()))) == 0 {
+	if r.dump("b") != "" || r.rules.Istio(int(r.netns["b"].Fd())) == nil {
 		t.Errorf("the refused pod was changed: ours %q, Istio's %v", r.dump("b"), r.rules.Istio(int(r.netns["b"].Fd())))
 	}
 	if got := r.members(); !slices.Equal(got, []string{"mesh/a ambient uid-a"}) {
@@ -725,7 +733,7 @@ func TestHandoverFailureKeepsCapture(t *testing.T) {
 	r := newRig(t)
 	r.namespace("mesh", true)
 	r.running("mesh", "a", "uid-a", "10.0.0.5", map[string]string{istio.AnnRedirection: "enabled"})
-	r.rules.PlantIstio(int(r.netns["a"].Fd()), []string{"table ip nat"}, nil)
+	r.rules.PlantIstio(int(r.netns["a"].Fd()), istioNat())
 	r.probes.addErr = errors.New("netlink: ENOENT")
 	if adopted, _, _ := r.e.AdoptAnnotated(context.Background()); adopted != 0 {
 		t.Fatalf("adopted %d with a failing probe set", adopted)
@@ -757,7 +765,7 @@ func TestFailedLateEnrolmentKeepsExistingCapture(t *testing.T) {
 	if err := r.rules.Fake.Program(int(r.netns["a"].Fd()), b); err != nil {
 		t.Fatal(err)
 	}
-	r.rules.PlantIstio(int(r.netns["b"].Fd()), []string{"table inet istio-ambient-nat"}, nil)
+	r.rules.PlantIstio(int(r.netns["b"].Fd()), istioNat())
 	r.zt.addErr = errors.New("no ztunnel connection")
 	for _, name := range []string{"a", "b"} {
 		if err := r.e.Reconcile(context.Background(), "mesh", name); err == nil {
@@ -767,7 +775,7 @@ func TestFailedLateEnrolmentKeepsExistingCapture(t *testing.T) {
 	if got, want := r.dump("a"), r.ambientRules(); got != want {
 		t.Errorf("our rules after a failed late enrolment:\n%s\nwant them kept:\n%s", got, want)
 	}
-	if r.dump("b") == "" && len(r.rules.Istio(int(r.netns["b"].Fd()))) == 0 {
+	if r.dump("b") == "" && r.rules.Istio(int(r.netns["b"].Fd())) == nil {
 		t.Error("a failed late enrolment left the pod with neither Istio's rules nor ours")
 	}
 	r.zt.addErr = nil
@@ -779,7 +787,26 @@ func TestFailedLateEnrolmentKeepsExistingCapture(t *testing.T) {
 			t.Errorf("pod %s once ztunnel is there:\n%s\nwant:\n%s", name, got, want)
 		}
 	}
-	if len(r.rules.Istio(int(r.netns["b"].Fd()))) != 0 || len(r.members()) != 2 {
+	if r.rules.Istio(int(r.netns["b"].Fd())) != nil || len(r.members()) != 2 {
 		t.Errorf("Istio's left %v, members %v", r.rules.Istio(int(r.netns["b"].Fd())), r.members())
+	}
+}
+
+// A pod annotated as enrolled whose capture lives in iptables-legacy
+// (istio-cni's legacy mode: x_tables, out of nf_tables' reach) is refused:
+// nothing programmed, its annotation kept, and still in ztunnel's snapshot.
+func TestHandoverRefusesIptablesLegacy(t *testing.T) {
+	r := newRig(t)
+	r.namespace("mesh", true)
+	r.running("mesh", "a", "uid-a", "10.0.0.5", map[string]string{istio.AnnRedirection: "enabled"})
+	r.rules.PlantIstio(int(r.netns["a"].Fd()), &nft.IstioState{Legacy: []string{"ip nat"}})
+	adopted, kept, cleared := r.e.AdoptAnnotated(context.Background())
+	if adopted != 0 || kept != 1 || cleared != 0 {
+		t.Fatalf("adopted %d kept %d cleared %d, want 0 1 0", adopted, kept, cleared)
+	}
+	r.expect("zt.Track uid-a")
+	r.expectNot("rules.Program", "rules.TakeOver", `annotate mesh/a=""`)
+	if r.dump("a") != "" || len(r.members()) != 0 {
+		t.Errorf("a legacy pod was enrolled: members %v, rules %q", r.members(), r.dump("a"))
 	}
 }

@@ -107,13 +107,16 @@ func (e *Enroller) enrolByAgent(ctx context.Context, p *pod, d *wire.Decision, w
 	if err != nil {
 		return err
 	}
-	istioRules, err := e.rules.Survey(p.fd())
+	st, err := e.rules.Survey(p.fd())
+	if err == nil {
+		err = st.Refused()
+	}
 	if err != nil {
 		return fmt.Errorf("enrolling pod %s: %w", p.id.Key(), err)
 	}
 	h := how{rules: func(context.Context) error { return e.rules.Program(p.fd(), batch) }}
 	switch _, cerr := e.rules.Check(p.fd(), rs, 0); {
-	case len(istioRules) > 0:
+	case st.Found():
 		h.keepRules = true
 		h.rules = func(context.Context) error {
 			replaced, err := e.rules.TakeOver(p.fd(), rs)

@@ -251,12 +251,20 @@ func (e *Enroller) adopt(ctx context.Context, p *pod, d *wire.Decision) error {
 	// istio-cni's rules in the pod (a live migration from it): ours replace
 	// them in one transaction, unless someone else's rules are there too,
 	// in which case nothing is touched.
-	istio, err := e.rules.Survey(p.fd())
+	st, err := e.rules.Survey(p.fd())
 	if err != nil {
 		return err
 	}
+	if err := st.Refused(); err != nil {
+		return err
+	}
+	if len(st.Legacy) > 0 && !st.Found() {
+		// Annotated as enrolled, with x_tables tables: istio-cni's
+		// iptables-legacy mode, whose rules nf_tables cannot replace.
+		return &nft.ForeignError{Legacy: st.Legacy}
+	}
 	repair := func(context.Context) error {
-		if len(istio) > 0 {
+		if st.Found() {
 			replaced, err := e.rules.TakeOver(p.fd(), rs)
 			if err != nil {
 				return err

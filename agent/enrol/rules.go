@@ -30,17 +30,8 @@ func (NftRules) Check(fd int, rs *nft.Ruleset, gen uint32) (uint32, error) {
 	return nft.Check(fd, rs, gen)
 }
 
-// Survey is nft.SurveyPod: istio-cni's state, refused beside others'.
-func (NftRules) Survey(fd int) ([]string, error) {
-	s, err := nft.SurveyPod(fd)
-	if err != nil {
-		return nil, err
-	}
-	if s.Found() && len(s.Unknown) > 0 {
-		return s.What(), &nft.ForeignError{Unknown: s.Unknown}
-	}
-	return s.What(), nil
-}
+// Survey is nft.SurveyPod.
+func (NftRules) Survey(fd int) (*nft.IstioState, error) { return nft.SurveyPod(fd) }
 
 // TakeOver is nft.TakeOver of what a fresh survey finds.
 func (NftRules) TakeOver(fd int, rs *nft.Ruleset) ([]string, error) {

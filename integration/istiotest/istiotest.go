@@ -35,7 +35,11 @@ func Bins(t testing.TB) string {
 	dir := testnet.Cached("NFTCNI_ISTIO_BIN", "istio-eed52ebb66ad")
 	for _, b := range []string{"install-cni", "istio-cni"} {
 		if _, err := os.Stat(filepath.Join(dir, b)); err != nil {
-			t.Skipf("%s not found in %s: run `make istio-bins` (make bench does) or set NFTCNI_ISTIO_BIN", b, dir)
+			msg := fmt.Sprintf("%s not found in %s: run `make istio-bins` (make test and make bench do) or set NFTCNI_ISTIO_BIN", b, dir)
+			if os.Getenv("NFTCNI_REQUIRE_ISTIO") != "" {
+				t.Fatal(msg)
+			}
+			t.Skip(msg)
 		}
 	}
 	return dir
