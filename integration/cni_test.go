@@ -96,6 +96,24 @@ type cniNode struct {
 	// pluginLogLevel is our entry's plugin_log_level: debug for tests,
 	// the product's default (info) for benchmarks.
 	pluginLogLevel string
+	// wide gives the pod network a /22 (10.<100+subnet>.0.0) for more than
+	// 254 pods; the default is 10.88.<subnet>.0/24.
+	wide bool
+}
+
+// podRange is the pod network's subnet; gateway its bridge's address.
+func (n *cniNode) podRange() string {
+	if n.wide {
+		return fmt.Sprintf("10.%d.0.0/22", 100+n.subnet)
+	}
+	return fmt.Sprintf("10.88.%d.0/24", n.subnet)
+}
+
+func (n *cniNode) gateway() string {
+	if n.wide {
+		return fmt.Sprintf("10.%d.0.1", 100+n.subnet)
+	}
+	return fmt.Sprintf("10.88.%d.1", n.subnet)
 }
 
 const (
@@ -196,7 +214,7 @@ func (n *cniNode) entry(statusRequiresAgent bool) []byte {
 // host-local) or "ptp" (ptp + host-local + portmap on its nftables backend,
 // the shape of Calico- and Flannel-style chains).
 func (n *cniNode) primary(shape, version string) []byte {
-	ipam := fmt.Sprintf(`{"type":"host-local","ranges":[[{"subnet":"10.88.%d.0/24"}]],"routes":[{"dst":"0.0.0.0/0"}],"dataDir":%q}`, n.subnet, n.data)
+	ipam := fmt.Sprintf(`{"type":"host-local","ranges":[[{"subnet":%q}]],"routes":[{"dst":"0.0.0.0/0"}],"dataDir":%q}`, n.podRange(), n.data)
 	var plugins string
 	switch shape {
 	case "bridge":

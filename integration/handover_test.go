@@ -12,7 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"slices"
+	"regexp"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -21,6 +21,8 @@ import (
 	"github.com/containernetworking/cni/libcni"
 	current "github.com/containernetworking/cni/pkg/types/100"
 	cnins "github.com/containernetworking/plugins/pkg/ns"
+	"github.com/google/nftables"
+	"github.com/google/nftables/expr"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
@@ -50,9 +52,13 @@ type istioPods struct {
 	z       *ztunneltest.Ztunnel
 }
 
-func enrolWithIstio(t *testing.T, kube *kubetest.Server, subnet, count int, nftables bool) *istioPods {
+// enrolWithIstio runs Istio's agent on a new node and enrols count pods
+// through Istio's plugin, each with a process in its pod cgroup (what a
+// /proc scan finds of a running pod) and its IP in its status.
+func enrolWithIstio(t testing.TB, kube *kubetest.Server, subnet, count int, nftables bool) *istioPods {
 	ctx := context.Background()
 	h := &istioPods{n: newCNINode(t, subnet), kube: kube, node: fmt.Sprintf("handover-%d", subnet)}
+	h.n.wide = count > 250
 	if _, err := kube.Client.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: h.node}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
@@ -111,6 +117,7 @@ func enrolWithIstio(t *testing.T, kube *kubetest.Server, subnet, count int, nfta
 		if _, err := kube.Client.CoreV1().Pods(meshNS).UpdateStatus(ctx, kp, metav1.UpdateOptions{}); err != nil {
 			t.Fatal(err)
 		}
+		testnet.PodProcess(t, p, h.uids[i])
 	}
 	return h
 }
@@ -142,7 +149,7 @@ func TestHandoverFromIstio(t *testing.T) {
 
 func testHandover(t *testing.T, kube *kubetest.Server, subnet, count int, nftables bool) {
 	h := enrolWithIstio(t, kube, subnet, count, nftables)
-	gw := fmt.Sprintf("10.88.%d.1", subnet)
+	gw := h.n.gateway()
 	real := h.n.node.Listen(t, gw+":9080", false)
 	var escaped atomic.Int64
 	go acceptAll(real, &escaped)
@@ -166,28 +173,11 @@ func testHandover(t *testing.T, kube *kubetest.Server, subnet, count int, nftabl
 	time.Sleep(200 * time.Millisecond)
 
 	// nftcni starts on the node, serving ztunnel on the same socket path.
-	kc, err := kubesrc.NewClient(kube.Config)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, uid := range h.uids {
-		testnet.PodProcess(t, h.pods[slices.Index(h.uids, uid)], uid) // what /proc shows of a running pod
-	}
-	policy, err := enablement.Compile(enablement.DefaultConfig())
-	if err != nil {
-		t.Fatal(err)
-	}
-	run := t.TempDir()
-	logs := &syncBuffer{}
-	started := time.Now()
-	a, err := node.Start(context.Background(), node.Config{RunDir: run, HostNetns: h.n.node.Path, ProcDir: "/proc",
-		ZtunnelSocket: h.agent.ZtunnelSocket, IPv6: true, Policy: policy, Kube: kc, NodeName: h.node,
-		Log: slog.New(slog.NewTextHandler(logs, nil))})
-	if err != nil {
-		t.Fatalf("starting nftcni: %v\n%s", err, logs)
-	}
-	took := time.Since(started)
-	t.Cleanup(a.Stop)
+	// The first pod also holds someone else's table: it must be left as
+	// it is, Istio's rules and all.
+	plantForeignTable(t, h.pods[0])
+	refusedBefore := nftRuleset(t, h.pods[0])
+	_, run, logs, took := h.startNftcni(t)
 	t.Cleanup(func() {
 		if t.Failed() {
 			t.Logf("nftcni's log:\n%s", logs)
@@ -195,7 +185,16 @@ func testHandover(t *testing.T, kube *kubetest.Server, subnet, count int, nftabl
 	})
 	z2 := ztunneltest.Connect(t, h.agent.ZtunnelSocket)
 	z2.Wait(zds.KindSnapshotSent, "", 10*time.Second)
-	for _, uid := range h.uids {
+	// The refused pod is kept (ZDS KeepWorkload: ztunnel goes on serving it
+	// with the netns it has); every other pod comes with its netns.
+	kept := false
+	for _, e := range z2.Seen() {
+		kept = kept || (e.Kind == zds.KindKeep && e.UID == h.uids[0])
+	}
+	if !kept {
+		t.Errorf("ztunnel's snapshot from nftcni does not keep the refused pod %s", h.uids[0])
+	}
+	for _, uid := range h.uids[1:] {
 		if p := z2.Pod(uid); p == nil {
 			t.Errorf("ztunnel's snapshot from nftcni lacks pod %s", uid)
 		} else {
@@ -216,13 +215,20 @@ func testHandover(t *testing.T, kube *kubetest.Server, subnet, count int, nftabl
 	if escaped.Load() != 0 || failed != 0 || after <= before {
 		t.Errorf("connection loops across the handover: escaped %d, failed %d, captured %d -> %d", escaped.Load(), failed, before, after)
 	}
-	if !strings.Contains(logs.String(), "took a pod over from istio-cni") {
-		t.Errorf("nftcni's log says no pod was taken over:\n%s", logs)
+	if n := strings.Count(logs.String(), "took a pod over from istio-cni"); n != count-1 {
+		t.Errorf("nftcni's log says %d pods were taken over, want %d", n, count-1)
+	}
+	if !strings.Contains(logs.String(), "not taking a pod over from istio-cni") || !strings.Contains(logs.String(), "pod=mesh/"+h.names[0]) {
+		t.Errorf("nftcni's log does not report the refused pod %s", h.names[0])
+	}
+	if got := nftRuleset(t, h.pods[0]); got != refusedBefore {
+		t.Errorf("the refused pod's rules changed:\n%s\nwas:\n%s", got, refusedBefore)
 	}
 
 	// Every pod holds exactly nftcni's ruleset, and inspect says so.
 	in := &inspect.Inspector{RunDir: run, HostNetns: h.n.node.Path, IPv6: true}
-	for i, p := range h.pods {
+	for i, p := range h.pods[1:] {
+		i++
 		ruleset := nftRuleset(t, p)
 		if strings.Contains(ruleset, "istio") || strings.Contains(ruleset, "ISTIO") || !strings.Contains(ruleset, "table inet nftcni") {
 			t.Errorf("pod %s after the handover:\n%s", h.names[i], ruleset)
@@ -236,7 +242,8 @@ func testHandover(t *testing.T, kube *kubetest.Server, subnet, count int, nftabl
 	if host := nftRuleset(t, h.n.node); strings.Contains(host, "istio") || strings.Contains(host, "ISTIO") {
 		t.Errorf("Istio's host state left after the handover:\n%s", host)
 	}
-	for i, p := range h.pods {
+	for i, p := range h.pods[1:] {
+		i++
 		app := p.Listen(t, "0.0.0.0:8080", false)
 		c, err := h.n.node.Dial(t, "tcp", h.ips[i]+":8080", testnet.DialOpts{})
 		if err != nil {
@@ -252,6 +259,91 @@ func testHandover(t *testing.T, kube *kubetest.Server, subnet, count int, nftabl
 	}
 }
 
+// startNftcni starts nftcni's agent on the node (Istio's gone), on the same
+// ZDS socket path, and returns once it serves, with how long Start took:
+// the whole handover happens inside it, before ztunnel is served.
+func (h *istioPods) startNftcni(t testing.TB) (*node.Node, string, *syncBuffer, time.Duration) {
+	t.Helper()
+	kc, err := kubesrc.NewClient(h.kube.Config)
+	if err != nil {
+		t.Fatal(err)
+	}
+	policy, err := enablement.Compile(enablement.DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	run := t.TempDir()
+	logs := &syncBuffer{}
+	started := time.Now()
+	a, err := node.Start(context.Background(), node.Config{RunDir: run, HostNetns: h.n.node.Path, ProcDir: "/proc",
+		ZtunnelSocket: h.agent.ZtunnelSocket, IPv6: true, Policy: policy, Kube: kc, NodeName: h.node,
+		Log: slog.New(slog.NewTextHandler(logs, nil))})
+	if err != nil {
+		t.Fatalf("starting nftcni: %v\n%s", err, logs)
+	}
+	took := time.Since(started)
+	t.Cleanup(a.Stop)
+	return a, run, logs, took
+}
+
+// BenchmarkIstioHandover times nftcni's start on a node where Istio's own
+// agent (stopped) enrolled 20 pods with each of its backends, and 500 with
+// its nftables backend: from exec of node.Start to serving, every pod
+// found through /proc and its rules replaced in one transaction each,
+// Istio's host state removed. One round per size (-benchtime 1x).
+func BenchmarkIstioHandover(b *testing.B) {
+	istiotest.Bins(b)
+	kube := kubetest.Start(b)
+	for _, ns := range []string{meshNS, "istio-system"} {
+		labels := map[string]string{}
+		if ns == meshNS {
+			labels[istio.LabelDataplaneMode] = istio.DataplaneAmbient
+		}
+		if _, err := kube.Client.CoreV1().Namespaces().Create(context.Background(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns, Labels: labels}}, metav1.CreateOptions{}); err != nil {
+			b.Fatal(err)
+		}
+	}
+	subnet := 90
+	for _, c := range []struct {
+		pods     int
+		nftables bool
+	}{{20, false}, {20, true}, {500, true}} {
+		name := fmt.Sprintf("%d-%s", c.pods, map[bool]string{false: "iptables", true: "nftables"}[c.nftables])
+		b.Run(name, func(b *testing.B) {
+			for i := 0; i < b.N; i++ {
+				b.StopTimer()
+				subnet++
+				h := enrolWithIstio(b, kube, subnet, c.pods, c.nftables)
+				h.agent.Stop()
+				b.StartTimer()
+				_, _, logs, took := h.startNftcni(b)
+				b.StopTimer()
+				if n := strings.Count(logs.String(), "took a pod over from istio-cni"); n != c.pods {
+					b.Fatalf("%d of %d pods taken over:\n%s", n, c.pods, logs)
+				}
+				b.ReportMetric(took.Seconds()*1e3, "handover-ms")
+				b.ReportMetric(took.Seconds()*1e3/float64(c.pods), "per-pod-ms")
+			}
+		})
+	}
+}
+
+// plantForeignTable adds a table of someone else's, with a rule, to ns.
+func plantForeignTable(t *testing.T, ns *testnet.NS) {
+	t.Helper()
+	c, err := nftables.New(nftables.WithNetNSFd(ns.FD))
+	if err != nil {
+		t.Fatal(err)
+	}
+	tb := c.AddTable(&nftables.Table{Family: nftables.TableFamilyINet, Name: "someone-else"})
+	ch := c.AddChain(&nftables.Chain{Name: "input", Table: tb, Type: nftables.ChainTypeFilter,
+		Hooknum: nftables.ChainHookInput, Priority: nftables.ChainPriorityFilter})
+	c.AddRule(&nftables.Rule{Table: tb, Chain: ch, Exprs: []expr.Any{&expr.Counter{}}})
+	if err := c.Flush(); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // nftRuleset is `nft list ruleset` in ns (tests may read rules with nft).
 func nftRuleset(t *testing.T, ns *testnet.NS) string {
 	t.Helper()
@@ -259,8 +351,10 @@ func nftRuleset(t *testing.T, ns *testnet.NS) string {
 	if err != nil {
 		t.Fatalf("nft list ruleset: %v\n%s", err, out)
 	}
-	return string(out)
+	return nftCounters.ReplaceAllString(string(out), "counter")
 }
+
+var nftCounters = regexp.MustCompile(`counter packets \d+ bytes \d+`)
 
 // acceptAll counts the connections l accepts until it closes.
 func acceptAll(l net.Listener, n *atomic.Int64) {
