@@ -22,6 +22,8 @@ go test -run '^$' -bench 'IstioCNIAdd' -benchtime 60x -count=1 -timeout 30m ./in
 go test -run '^$' -bench 'RunPodSandbox' -benchtime 60x -count=1 -timeout 30m ./integration | tee -a "$out"
 # The agent with 500 enrolled pods: enrolment throughput, restart, memory.
 go test -run '^$' -bench 'AgentRestart500' -benchtime 3x -count=1 -timeout 30m ./integration | tee -a "$out"
+# The live handover from Istio's own agent: 20 pods per backend, 500 pods.
+go test -run '^$' -bench 'IstioHandover' -benchtime 1x -count=1 -timeout 30m ./integration | tee -a "$out"
 
 ns() { awk -v n="$1" '$1 ~ n {for (i=1;i<=NF;i++) if ($(i+1)=="ns/op") {print $i; exit}}' "$out"; }
 ratio() { # name-of-comparison name-of-ours
@@ -106,4 +108,10 @@ for gen in containerd-1.6 containerd-2; do
 	awk -v a="$(cm enrolled-ms-median)" -v b="$(cm tuning-ms-median)" 'BEGIN {printf "    %-34s %6.2fx\n", "enrolled / + tuning", a/b}'
 	printf "    %-34s agent %s ms; plugin: decision at %s ms, rules in at %s ms from its start\n" "inside nftcni, enrolled (medians)" \
 		"$(cm enrolled-agent-ms-median)" "$(cm enrolled-plugin-decided-ms-median)" "$(cm enrolled-plugin-programmed-ms-median)"
+done
+for size in 20-iptables 20-nftables 500-nftables; do
+	hm() { m "BenchmarkIstioHandover/$size" "$1"; }
+	[ -n "$(hm handover-ms)" ] || continue
+	printf "  live handover from istio-cni, %-13s nftcni's start to serving, every pod taken over: %8s ms (%s ms per pod)\n" \
+		"$size:" "$(hm handover-ms)" "$(hm per-pod-ms)"
 done

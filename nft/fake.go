@@ -172,8 +172,9 @@ func (f *Fake) Survey(fd int) (*IstioState, error) {
 	return n.istio, nil
 }
 
-// TakeOver replaces the netns's istio-cni state with rs, as TakeOver does.
-func (f *Fake) TakeOver(fd int, rs *Ruleset) ([]string, error) {
+// TakeOver replaces the netns's istio-cni state with b's ruleset, as
+// TakeOver does.
+func (f *Fake) TakeOver(fd int, b *Batch) ([]string, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	n, err := f.netns(fd)
@@ -183,8 +184,11 @@ func (f *Fake) TakeOver(fd int, rs *Ruleset) ([]string, error) {
 	if len(n.istio.Unknown) > 0 || len(n.istio.Legacy) > 0 {
 		return nil, &ForeignError{Unknown: n.istio.Unknown, Legacy: n.istio.Legacy}
 	}
+	if b == nil || b.source == nil {
+		return nil, fmt.Errorf("nft.Fake: the batch was not made by Encode")
+	}
 	was := n.istio.What()
-	n.istio, n.rs, n.gen = nil, rs, n.gen+1
+	n.istio, n.rs, n.gen = nil, b.source, n.gen+1
 	return was, nil
 }
 

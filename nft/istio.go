@@ -274,44 +274,45 @@ func ruleCount(c *nftables.Conn, t *nftables.Table, chains []*nftables.Chain) (i
 	return n, nil
 }
 
-// TakeOver replaces istio-cni's in-pod state with rs in one nf_tables
-// transaction: Istio's tables go and ours come (over ours, when a previous
-// agent made it) in the same commit, so no packet ever meets both or
-// neither. The policy routes are the same as Istio's and are asserted
-// after. s must come from SurveyPod and hold nothing unknown.
-func TakeOver(fd int, rs *Ruleset, s *IstioState) error {
+// TakeOver replaces istio-cni's in-pod state with b's ruleset in one
+// nf_tables transaction: Istio's tables are deleted and ours created (over
+// ours, when a previous agent made it) in the same commit, so no packet
+// ever meets both or neither; it goes out as Program's batches do, in one
+// send with one ack. The policy routes are the same as Istio's and are
+// asserted after. s must come from SurveyPod and hold nothing unknown.
+func TakeOver(fd int, b *Batch, s *IstioState) error {
 	if len(s.Unknown) > 0 || len(s.Legacy) > 0 {
 		return &ForeignError{Unknown: s.Unknown, Legacy: s.Legacy}
 	}
-	c, err := conn(fd)
+	dels, err := capture(func(c *nftables.Conn) error {
+		for _, t := range s.Tables {
+			c.DelTable(&nftables.Table{Family: t.Family, Name: t.Name})
+		}
+		return nil
+	})
 	if err != nil {
 		return err
 	}
-	defer c.CloseLasting()
-	for _, t := range s.Tables {
-		c.DelTable(&nftables.Table{Family: t.Family, Name: t.Name})
+	var pre []byte
+	if len(dels) > 2 { // without its own batch begin and end
+		pre = frame(dels[1:len(dels)-1], uint32(1<<20), false, false)
 	}
-	for _, t := range rs.Tables {
-		nt := &nftables.Table{Name: t.Name, Family: nftables.TableFamilyINet}
-		c.AddTable(nt)
-		c.DelTable(nt)
+	protos := []int{unix.NETLINK_NETFILTER}
+	if len(b.Routes) > 0 {
+		protos = append(protos, unix.NETLINK_ROUTE)
 	}
-	if err := stage(c, rs); err != nil {
-		return err
-	}
-	if err := c.Flush(); err != nil {
-		return fmt.Errorf("replacing istio-cni's rules: %w", err)
-	}
-	if len(rs.Routes) == 0 {
-		return nil
-	}
-	socks, err := dialIn(fd, unix.NETLINK_ROUTE)
+	socks, err := dialIn(fd, protos...)
 	if err != nil {
 		return err
 	}
 	defer closeAll(socks)
-	if err := talk(socks[0], routeMessages(rs.Routes, true), ruleExists); err != nil {
-		return fmt.Errorf("policy routes: %w", err)
+	if err := talk(socks[0], spliceReplace(b.Tables, append(pre, b.Replace...)), nil); err != nil {
+		return fmt.Errorf("replacing istio-cni's rules: %w", err)
+	}
+	if len(b.Routes) > 0 {
+		if err := talk(socks[1], b.Routes, ruleExists); err != nil {
+			return fmt.Errorf("policy routes: %w", err)
+		}
 	}
 	return nil
 }

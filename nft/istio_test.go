@@ -70,6 +70,10 @@ func listRuleset(t *testing.T, n *testnet.NS) string {
 // left as it was.
 func TestTakeOverFromIstio(t *testing.T) {
 	rs := Ambient(AmbientSpec{DNSCapture: true, IPv6: true})
+	b, err := Encode(rs)
+	if err != nil {
+		t.Fatal(err)
+	}
 	for _, native := range []bool{false, true} {
 		name := map[bool]string{false: "iptables", true: "nftables"}[native]
 		t.Run(name, func(t *testing.T) {
@@ -82,7 +86,7 @@ func TestTakeOverFromIstio(t *testing.T) {
 			if len(s.Unknown) > 0 || len(s.Tables) != 3+3*b2i(!native) {
 				t.Fatalf("survey: tables %v unknown %v", s.Tables, s.Unknown)
 			}
-			if err := TakeOver(n.FD, rs, s); err != nil {
+			if err := TakeOver(n.FD, b, s); err != nil {
 				t.Fatal(err)
 			}
 			got := listRuleset(t, n)
@@ -110,7 +114,7 @@ func TestTakeOverFromIstio(t *testing.T) {
 			t.Fatalf("survey: unknown %v, want table ip nat named", s.Unknown)
 		}
 		var fe *ForeignError
-		if err := TakeOver(n.FD, rs, s); !errors.As(err, &fe) {
+		if err := TakeOver(n.FD, b, s); !errors.As(err, &fe) {
 			t.Fatalf("TakeOver of a netns with unknown rules: %v, want a ForeignError", err)
 		}
 		if after := listRuleset(t, n); after != before {
@@ -137,7 +141,11 @@ func TestTakeOverRefusesIptablesLegacy(t *testing.T) {
 		t.Fatalf("survey of a netns with iptables-legacy rules: legacy %v", s.Legacy)
 	}
 	var fe *ForeignError
-	if err := TakeOver(n.FD, Ambient(AmbientSpec{}), s); !errors.As(err, &fe) || !strings.Contains(err.Error(), "drain") {
+	b, err := Encode(Ambient(AmbientSpec{}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := TakeOver(n.FD, b, s); !errors.As(err, &fe) || !strings.Contains(err.Error(), "drain") {
 		t.Errorf("TakeOver: %v, want a refusal that says to drain", err)
 	}
 	if got := listRuleset(t, n); strings.Contains(got, "nftcni") {

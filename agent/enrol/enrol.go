@@ -101,9 +101,9 @@ type Rules interface {
 	// Survey says what of istio-cni's state the netns holds, and what
 	// iptables-legacy tables.
 	Survey(fd int) (*nft.IstioState, error)
-	// TakeOver replaces istio-cni's state with rs in one transaction and
-	// says what it replaced (nothing: there was none).
-	TakeOver(fd int, rs *nft.Ruleset) (replaced []string, err error)
+	// TakeOver replaces istio-cni's state with b's ruleset in one
+	// transaction and says what it replaced (nothing: there was none).
+	TakeOver(fd int, b *nft.Batch) (replaced []string, err error)
 }
 
 // Options are the parts of the node an Enroller works with; nil ones are

@@ -79,9 +79,9 @@ func istioNat() *nft.IstioState {
 	return &nft.IstioState{Tables: []nft.TableRef{{Family: nftables.TableFamilyIPv4, Name: "nat"}}}
 }
 
-func (r *fakeRules) TakeOver(fd int, rs *nft.Ruleset) ([]string, error) {
+func (r *fakeRules) TakeOver(fd int, b *nft.Batch) ([]string, error) {
 	r.l.add("rules.TakeOver")
-	return r.Fake.TakeOver(fd, rs)
+	return r.Fake.TakeOver(fd, b)
 }
 func (r *fakeRules) Check(fd int, rs *nft.Ruleset, gen uint32) (uint32, error) {
 	r.l.add("rules.Check")

@@ -119,7 +119,7 @@ func (e *Enroller) enrolByAgent(ctx context.Context, p *pod, d *wire.Decision, w
 	case st.Found():
 		h.keepRules = true
 		h.rules = func(context.Context) error {
-			replaced, err := e.rules.TakeOver(p.fd(), rs)
+			replaced, err := e.rules.TakeOver(p.fd(), batch)
 			if err == nil {
 				e.metrics.Handovers.WithLabelValues("taken").Inc()
 				e.log.Info("took a pod over from istio-cni: its rules replaced by ours in one transaction", "pod", p.id.Key(), "uid", p.uid, "replaced", replaced)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"sync"
 
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
@@ -178,51 +179,91 @@ func (e *Enroller) AdoptAnnotated(ctx context.Context) (adopted, kept, cleared i
 	for _, m := range e.Members() {
 		enrolled[m.Pod.Key()] = true
 	}
+	// Pods go a few at a time: a takeover's commit waits for the kernel to
+	// retire the hooks it replaces, and those waits overlap across netns.
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	work := make(chan *corev1.Pod)
+	for range adoptConcurrency {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for kp := range work {
+				o := e.adoptOne(ctx, kp)
+				mu.Lock()
+				switch o {
+				case outcomeAdopted:
+					adopted++
+				case outcomeKept:
+					kept++
+				case outcomeCleared:
+					cleared++
+				}
+				mu.Unlock()
+			}
+		}()
+	}
 	for _, kp := range e.store.Pods() {
 		key := kp.Namespace + "/" + kp.Name
-		if _, ok := kp.Annotations[istio.AnnRedirection]; !ok || enrolled[key] {
-			continue
+		if _, ok := kp.Annotations[istio.AnnRedirection]; ok && !enrolled[key] {
+			work <- kp
 		}
-		ips := podIPs(kp)
-		d := e.policy.Decide(kp, e.store.Namespace(kp.Namespace), ips)
-		p, err := e.find(kp, ips)
-		switch {
-		case d.Mode == wire.ModeAmbient && err == nil:
-			aerr := e.adopt(ctx, p, d)
-			if aerr == nil {
-				adopted++
-				continue
-			}
-			var foreign *nft.ForeignError
-			if errors.As(aerr, &foreign) {
-				// istio-cni's rules with someone else's: left exactly as they
-				// are, and ztunnel keeps the workload it is serving.
-				e.metrics.Handovers.WithLabelValues("refused").Inc()
-				e.log.Error("not taking a pod over from istio-cni: its netns holds rules of someone else beside Istio's; left as it is (drain the node to move it)",
-					"pod", key, "uid", kp.UID, "err", aerr)
-				e.keepInZtunnel(kp)
-				kept++
-				continue
-			}
-		case d.Mode == wire.ModeAmbient:
-			e.keepInZtunnel(kp)
-			e.log.Warn("pod annotated as enrolled but its netns was not found; kept in ztunnel's snapshot without one", "pod", key, "err", err)
-			kept++
-			continue
-		case err == nil:
-			p.mu.Lock()
-			if rerr := e.rules.Remove(p.fd()); rerr != nil {
-				e.log.Warn("could not remove the rules of a pod no longer enrolled", "pod", key, "err", rerr)
-			}
-			p.mu.Unlock()
-		}
-		if err := e.opts.Annotator.SetRedirection(ctx, kp.Namespace, kp.Name, ""); err != nil {
-			e.log.Warn("could not clear a stale enrolment annotation", "pod", key, "err", err)
-			continue
-		}
-		cleared++
 	}
+	close(work)
+	wg.Wait()
 	return adopted, kept, cleared
+}
+
+// adoptConcurrency is how many annotated pods are adopted at once.
+const adoptConcurrency = 8
+
+type adoptOutcome int
+
+const (
+	outcomeNone adoptOutcome = iota
+	outcomeAdopted
+	outcomeKept
+	outcomeCleared
+)
+
+// adoptOne adopts, keeps or clears one annotated pod with no record.
+func (e *Enroller) adoptOne(ctx context.Context, kp *corev1.Pod) adoptOutcome {
+	key := kp.Namespace + "/" + kp.Name
+	ips := podIPs(kp)
+	d := e.policy.Decide(kp, e.store.Namespace(kp.Namespace), ips)
+	p, err := e.find(kp, ips)
+	switch {
+	case d.Mode == wire.ModeAmbient && err == nil:
+		aerr := e.adopt(ctx, p, d)
+		if aerr == nil {
+			return outcomeAdopted
+		}
+		var foreign *nft.ForeignError
+		if errors.As(aerr, &foreign) {
+			// istio-cni's rules with someone else's: left exactly as they
+			// are, and ztunnel keeps the workload it is serving.
+			e.metrics.Handovers.WithLabelValues("refused").Inc()
+			e.log.Error("not taking a pod over from istio-cni: its netns holds rules of someone else beside Istio's; left as it is (drain the node to move it)",
+				"pod", key, "uid", kp.UID, "err", aerr)
+			e.keepInZtunnel(kp)
+			return outcomeKept
+		}
+	case d.Mode == wire.ModeAmbient:
+		e.keepInZtunnel(kp)
+		e.log.Warn("pod annotated as enrolled but its netns was not found; kept in ztunnel's snapshot without one", "pod", key, "err", err)
+		return outcomeKept
+	case err == nil:
+		p.mu.Lock()
+		if rerr := e.rules.Remove(p.fd()); rerr != nil {
+			e.log.Warn("could not remove the rules of a pod no longer enrolled", "pod", key, "err", rerr)
+		}
+		p.mu.Unlock()
+	}
+	if err := e.opts.Annotator.SetRedirection(ctx, kp.Namespace, kp.Name, ""); err != nil {
+		e.log.Warn("could not clear a stale enrolment annotation", "pod", key, "err", err)
+		return outcomeNone
+	}
+	return outcomeCleared
 }
 
 // keepInZtunnel keeps a pod in ztunnel's snapshot without a netns (ZDS
@@ -265,7 +306,7 @@ func (e *Enroller) adopt(ctx context.Context, p *pod, d *wire.Decision) error {
 	}
 	repair := func(context.Context) error {
 		if st.Found() {
-			replaced, err := e.rules.TakeOver(p.fd(), rs)
+			replaced, err := e.rules.TakeOver(p.fd(), batch)
 			if err != nil {
 				return err
 			}

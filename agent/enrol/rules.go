@@ -34,12 +34,12 @@ func (NftRules) Check(fd int, rs *nft.Ruleset, gen uint32) (uint32, error) {
 func (NftRules) Survey(fd int) (*nft.IstioState, error) { return nft.SurveyPod(fd) }
 
 // TakeOver is nft.TakeOver of what a fresh survey finds.
-func (NftRules) TakeOver(fd int, rs *nft.Ruleset) ([]string, error) {
+func (NftRules) TakeOver(fd int, b *nft.Batch) ([]string, error) {
 	s, err := nft.SurveyPod(fd)
 	if err != nil || !s.Found() {
 		return nil, err
 	}
-	return s.What(), nft.TakeOver(fd, rs, s)
+	return s.What(), nft.TakeOver(fd, b, s)
 }
 
 // batchCache keeps the encoded batch of each decision seen: a node's pods
