@@ -133,15 +133,7 @@ func enrolWithIstio(t testing.TB, kube *kubetest.Server, subnet, count int, nfta
 func TestHandoverFromIstio(t *testing.T) {
 	istiotest.Bins(t)
 	kube := kubetest.Start(t)
-	for _, ns := range []string{meshNS, "istio-system"} {
-		labels := map[string]string{}
-		if ns == meshNS {
-			labels[istio.LabelDataplaneMode] = istio.DataplaneAmbient
-		}
-		if _, err := kube.Client.CoreV1().Namespaces().Create(context.Background(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns, Labels: labels}}, metav1.CreateOptions{}); err != nil {
-			t.Fatal(err)
-		}
-	}
+	istioNamespaces(t, kube)
 	for i, backend := range []string{"iptables", "nftables"} {
 		t.Run(backend, func(t *testing.T) { testHandover(t, kube, 84+i, 20, backend == "nftables") })
 	}
@@ -259,6 +251,20 @@ func testHandover(t *testing.T, kube *kubetest.Server, subnet, count int, nftabl
 	}
 }
 
+// istioNamespaces makes the ambient namespace (labelled) and istiod's.
+func istioNamespaces(t testing.TB, kube *kubetest.Server) {
+	t.Helper()
+	for _, ns := range []string{meshNS, "istio-system"} {
+		labels := map[string]string{}
+		if ns == meshNS {
+			labels[istio.LabelDataplaneMode] = istio.DataplaneAmbient
+		}
+		if _, err := kube.Client.CoreV1().Namespaces().Create(context.Background(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns, Labels: labels}}, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
 // startNftcni starts nftcni's agent on the node (Istio's gone), on the same
 // ZDS socket path, and returns once it serves, with how long Start took:
 // the whole handover happens inside it, before ztunnel is served.
@@ -294,15 +300,7 @@ func (h *istioPods) startNftcni(t testing.TB) (*node.Node, string, *syncBuffer, 
 func BenchmarkIstioHandover(b *testing.B) {
 	istiotest.Bins(b)
 	kube := kubetest.Start(b)
-	for _, ns := range []string{meshNS, "istio-system"} {
-		labels := map[string]string{}
-		if ns == meshNS {
-			labels[istio.LabelDataplaneMode] = istio.DataplaneAmbient
-		}
-		if _, err := kube.Client.CoreV1().Namespaces().Create(context.Background(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns, Labels: labels}}, metav1.CreateOptions{}); err != nil {
-			b.Fatal(err)
-		}
-	}
+	istioNamespaces(b, kube)
 	subnet := 90
 	for _, c := range []struct {
 		pods     int

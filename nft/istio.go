@@ -297,22 +297,8 @@ func TakeOver(fd int, b *Batch, s *IstioState) error {
 	if len(dels) > 2 { // without its own batch begin and end
 		pre = frame(dels[1:len(dels)-1], uint32(1<<20), false, false)
 	}
-	protos := []int{unix.NETLINK_NETFILTER}
-	if len(b.Routes) > 0 {
-		protos = append(protos, unix.NETLINK_ROUTE)
-	}
-	socks, err := dialIn(fd, protos...)
-	if err != nil {
-		return err
-	}
-	defer closeAll(socks)
-	if err := talk(socks[0], spliceReplace(b.Tables, append(pre, b.Replace...)), nil); err != nil {
+	if err := send(fd, spliceReplace(b.Tables, append(pre, b.Replace...)), nil, b.Routes); err != nil {
 		return fmt.Errorf("replacing istio-cni's rules: %w", err)
-	}
-	if len(b.Routes) > 0 {
-		if err := talk(socks[1], b.Routes, ruleExists); err != nil {
-			return fmt.Errorf("policy routes: %w", err)
-		}
 	}
 	return nil
 }

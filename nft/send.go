@@ -17,8 +17,19 @@ import (
 // it uses nothing but the socket calls, so a freshly exec'd plugin pays
 // for little more than the kernel's own work.
 func Program(fd int, b *Batch) error {
+	var onExists []byte
+	if len(b.Replace) > 0 {
+		onExists = spliceReplace(b.Tables, b.Replace)
+	}
+	return send(fd, b.Tables, onExists, b.Routes)
+}
+
+// send writes an nf_tables transaction into the netns behind fd (and, if
+// that fails with EEXIST and onExists is set, that one instead), then the
+// policy routes: one send and one ack each, on sockets made in the netns.
+func send(fd int, tables, onExists, routes []byte) error {
 	protos := []int{unix.NETLINK_NETFILTER}
-	if len(b.Routes) > 0 {
+	if len(routes) > 0 {
 		protos = append(protos, unix.NETLINK_ROUTE)
 	}
 	socks, err := dialIn(fd, protos...)
@@ -26,15 +37,15 @@ func Program(fd int, b *Batch) error {
 		return err
 	}
 	defer closeAll(socks)
-	err = talk(socks[0], b.Tables, nil)
-	if errors.Is(err, unix.EEXIST) && len(b.Replace) > 0 {
-		err = talk(socks[0], spliceReplace(b.Tables, b.Replace), nil)
+	err = talk(socks[0], tables, nil)
+	if errors.Is(err, unix.EEXIST) && onExists != nil {
+		err = talk(socks[0], onExists, nil)
 	}
 	if err != nil {
 		return fmt.Errorf("nf_tables transaction: %w", err)
 	}
-	if len(b.Routes) > 0 {
-		if err := talk(socks[1], b.Routes, ruleExists); err != nil {
+	if len(routes) > 0 {
+		if err := talk(socks[1], routes, ruleExists); err != nil {
 			return fmt.Errorf("policy routes: %w", err)
 		}
 	}
@@ -87,45 +98,25 @@ func gone(_ uint16, errno unix.Errno) bool {
 }
 
 // dialIn opens one netlink socket per protocol inside the netns behind fd,
-// entering it once for all of them. A socket stays in the netns it was
-// made in. The switch happens on a thread of its own, locked for the
-// purpose; if the thread could not switch back it is left locked, so the
-// Go runtime retires it rather than run other work in the pod's netns.
+// entering it once for all of them.
 func dialIn(fd int, protos ...int) ([]int, error) {
-	type res struct {
-		socks []int
-		err   error
+	var socks []int
+	err := inNetns(fd, func() error {
+		var err error
+		socks, err = openSockets(protos)
+		return err
+	})
+	if err != nil {
+		closeAll(socks)
+		return nil, err
 	}
-	done := make(chan res, 1)
-	go func() {
-		runtime.LockOSThread()
-		self, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
-		if err != nil {
-			runtime.UnlockOSThread()
-			done <- res{err: fmt.Errorf("opening this thread's netns: %w", err)}
-			return
-		}
-		defer unix.Close(self)
-		if err := unix.Setns(fd, unix.CLONE_NEWNET); err != nil {
-			runtime.UnlockOSThread()
-			done <- res{err: fmt.Errorf("entering the pod's netns: %w", err)}
-			return
-		}
-		socks, err := openSockets(protos)
-		if serr := unix.Setns(self, unix.CLONE_NEWNET); serr != nil {
-			closeAll(socks)
-			done <- res{err: fmt.Errorf("leaving the pod's netns: %w", serr)}
-			return // still locked: this thread ends with the goroutine
-		}
-		runtime.UnlockOSThread()
-		done <- res{socks, err}
-	}()
-	r := <-done
-	return r.socks, r.err
+	return socks, nil
 }
 
-// inNetns runs f on a thread inside the netns behind fd (for what only a
-// netns's own /proc/thread-self shows), with dialIn's care for the thread.
+// inNetns runs f on a thread inside the netns behind fd (sockets made
+// there stay there; /proc/thread-self shows that netns). The thread is
+// locked for the purpose; if it could not switch back it stays locked, so
+// the Go runtime retires it rather than run other work in the pod's netns.
 func inNetns(fd int, f func() error) error {
 	done := make(chan error, 1)
 	go func() {
