@@ -24,14 +24,38 @@ import (
 
 // Table is the host probe table of one node.
 type Table struct {
-	fd   int
+	k    Kernel
 	ipv6 bool
 	log  *slog.Logger
 
 	mu     sync.Mutex
-	set    *nft.ProbeSet
 	owners map[netip.Addr]string // what the kernel's sets hold, as we wrote it
 }
+
+// Kernel is what the table asks of nf_tables in the host netns (package
+// nft; tests fake it).
+type Kernel interface {
+	// Update deletes and adds set elements in one batch.
+	Update(dels []netip.Addr, adds []nft.Element) error
+	// Elements reads the sets' elements and their owners; ok is false when
+	// the table is not there.
+	Elements() (owners map[netip.Addr]string, ok bool, err error)
+	// Verify is nft.Verify, Apply nft.Apply and Delete nft.Delete of rs.
+	Verify(rs *nft.Ruleset) error
+	Apply(rs *nft.Ruleset) error
+	Delete(rs *nft.Ruleset) error
+	Close() error
+}
+
+// netlinkKernel is Kernel on a connection kept open in the host netns.
+type netlinkKernel struct {
+	fd int
+	*nft.ProbeSet
+}
+
+func (k netlinkKernel) Verify(rs *nft.Ruleset) error { return nft.Verify(k.fd, rs) }
+func (k netlinkKernel) Apply(rs *nft.Ruleset) error  { return nft.Apply(k.fd, rs) }
+func (k netlinkKernel) Delete(rs *nft.Ruleset) error { return nft.Delete(k.fd, rs) }
 
 // Open connects to the host netns behind host and reads what the table
 // holds now (nothing if it is not there yet).
@@ -41,9 +65,18 @@ func Open(host *os.File, ipv6 bool, log *slog.Logger) (*Table, error) {
 	if err != nil {
 		return nil, err
 	}
-	t := &Table{fd: fd, ipv6: ipv6, log: log, set: set}
-	if t.owners, _, err = set.Elements(); err != nil {
+	t, err := New(netlinkKernel{fd: fd, ProbeSet: set}, ipv6, log)
+	if err != nil {
 		set.Close()
+	}
+	return t, err
+}
+
+// New is a Table on k, holding what k holds now.
+func New(k Kernel, ipv6 bool, log *slog.Logger) (*Table, error) {
+	t := &Table{k: k, ipv6: ipv6, log: log}
+	var err error
+	if t.owners, _, err = k.Elements(); err != nil {
 		return nil, err
 	}
 	if t.owners == nil {
@@ -53,7 +86,7 @@ func Open(host *os.File, ipv6 bool, log *slog.Logger) (*Table, error) {
 }
 
 // Close closes the connection.
-func (t *Table) Close() error { return t.set.Close() }
+func (t *Table) Close() error { return t.k.Close() }
 
 // keep says whether the table holds ip at all (IPv6 off: no v6 set).
 func (t *Table) keep(ip netip.Addr) bool { return ip.Is4() || t.ipv6 }
@@ -76,7 +109,7 @@ func (t *Table) Add(uid string, ips []netip.Addr) error {
 		}
 		adds = append(adds, nft.Element{Addr: ip, Comment: uid})
 	}
-	if err := t.set.Update(dels, adds); err != nil {
+	if err := t.k.Update(dels, adds); err != nil {
 		return t.lost(err)
 	}
 	for _, e := range adds {
@@ -97,7 +130,7 @@ func (t *Table) Remove(uid string, ips []netip.Addr) error {
 			dels = append(dels, ip)
 		}
 	}
-	if err := t.set.Update(dels, nil); err != nil {
+	if err := t.k.Update(dels, nil); err != nil {
 		return t.lost(err)
 	}
 	for _, ip := range dels {
@@ -109,7 +142,7 @@ func (t *Table) Remove(uid string, ips []netip.Addr) error {
 // lost re-reads the kernel's sets after a failed change: the memory was
 // wrong (someone changed the table), and the next Assert puts it right.
 func (t *Table) lost(err error) error {
-	if owners, ok, rerr := t.set.Elements(); rerr == nil && ok {
+	if owners, ok, rerr := t.k.Elements(); rerr == nil && ok {
 		t.owners = owners
 	}
 	return fmt.Errorf("host probe set: %w", err)
@@ -125,7 +158,7 @@ func (t *Table) Assert(members []nft.Member, keepPresent bool) (bool, error) {
 	defer t.mu.Unlock()
 	owners := map[netip.Addr]string{}
 	if keepPresent {
-		present, _, err := t.set.Elements()
+		present, _, err := t.k.Elements()
 		if err != nil {
 			return false, err
 		}
@@ -141,7 +174,7 @@ func (t *Table) Assert(members []nft.Member, keepPresent bool) (bool, error) {
 		}
 	}
 	want := nft.HostProbe(t.ipv6, nft.Members(owners))
-	err := nft.Verify(t.fd, want)
+	err := t.k.Verify(want)
 	var drift *nft.DriftError
 	switch {
 	case err == nil:
@@ -150,7 +183,7 @@ func (t *Table) Assert(members []nft.Member, keepPresent bool) (bool, error) {
 	case !errors.As(err, &drift):
 		return false, err
 	}
-	if err := nft.Apply(t.fd, want); err != nil {
+	if err := t.k.Apply(want); err != nil {
 		return false, fmt.Errorf("re-asserting the host probe table: %w", err)
 	}
 	t.owners = owners
@@ -164,7 +197,7 @@ func (t *Table) Repair() (bool, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	want := nft.HostProbe(t.ipv6, nft.Members(t.owners))
-	err := nft.Verify(t.fd, want)
+	err := t.k.Verify(want)
 	var drift *nft.DriftError
 	switch {
 	case err == nil:
@@ -172,7 +205,7 @@ func (t *Table) Repair() (bool, error) {
 	case !errors.As(err, &drift):
 		return false, err
 	}
-	if err := nft.Apply(t.fd, want); err != nil {
+	if err := t.k.Apply(want); err != nil {
 		return false, fmt.Errorf("re-asserting the host probe table: %w", err)
 	}
 	t.log.Warn("host probe table had drifted (flushed or edited by someone else); put back", "table", "inet "+nft.HostTable, "drift", err)
@@ -211,5 +244,5 @@ func (t *Table) Delete() error {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.owners = map[netip.Addr]string{}
-	return nft.Delete(t.fd, nft.HostProbe(t.ipv6, nil))
+	return t.k.Delete(nft.HostProbe(t.ipv6, nil))
 }
