@@ -9,6 +9,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 
+	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
 
@@ -115,18 +116,10 @@ func (e *Enroller) enrolByAgent(ctx context.Context, p *pod, d *wire.Decision, w
 		return fmt.Errorf("enrolling pod %s: %w", p.id.Key(), err)
 	}
 	h := how{rules: func(context.Context) error { return e.rules.Program(p.fd(), batch) }}
-	switch _, cerr := e.rules.Check(p.fd(), rs, 0); {
-	case st.Found():
+	if st.Found() {
 		h.keepRules = true
-		h.rules = func(context.Context) error {
-			replaced, err := e.rules.TakeOver(p.fd(), batch)
-			if err == nil {
-				e.metrics.Handovers.WithLabelValues("taken").Inc()
-				e.log.Info("took a pod over from istio-cni: its rules replaced by ours in one transaction", "pod", p.id.Key(), "uid", p.uid, "replaced", replaced)
-			}
-			return err
-		}
-	case cerr == nil:
+		h.rules = func(context.Context) error { return e.takeOver(p, batch) }
+	} else if _, cerr := e.rules.Check(p.fd(), rs, 0); cerr == nil {
 		h.keepRules = true
 		h.rules = func(context.Context) error { return nil }
 	}
@@ -134,6 +127,18 @@ func (e *Enroller) enrolByAgent(ctx context.Context, p *pod, d *wire.Decision, w
 		return err
 	}
 	e.log.Info("pod enrolled by the agent", "pod", p.id.Key(), "mode", d.Mode, "uid", p.uid, "why", why)
+	return nil
+}
+
+// takeOver replaces istio-cni's rules in p's netns with batch's, in one
+// transaction, counted and logged.
+func (e *Enroller) takeOver(p *pod, batch *nft.Batch) error {
+	replaced, err := e.rules.TakeOver(p.fd(), batch)
+	if err != nil {
+		return err
+	}
+	e.metrics.Handovers.WithLabelValues("taken").Inc()
+	e.log.Info("took a pod over from istio-cni: its rules replaced by ours in one transaction", "pod", p.id.Key(), "uid", p.uid, "replaced", replaced)
 	return nil
 }
 

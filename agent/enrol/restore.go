@@ -306,13 +306,7 @@ func (e *Enroller) adopt(ctx context.Context, p *pod, d *wire.Decision) error {
 	}
 	repair := func(context.Context) error {
 		if st.Found() {
-			replaced, err := e.rules.TakeOver(p.fd(), batch)
-			if err != nil {
-				return err
-			}
-			e.metrics.Handovers.WithLabelValues("taken").Inc()
-			e.log.Info("took a pod over from istio-cni: its rules replaced by ours in one transaction", "pod", p.id.Key(), "uid", p.uid, "replaced", replaced)
-			return nil
+			return e.takeOver(p, batch)
 		}
 		_, err := e.rules.Check(p.fd(), rs, 0)
 		var drift *nft.DriftError
