@@ -23,11 +23,16 @@ import (
 	cnins "github.com/containernetworking/plugins/pkg/ns"
 	"github.com/google/nftables"
 	"github.com/google/nftables/expr"
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/nftcni/nftcni/agent/enablement"
 	"github.com/nftcni/nftcni/agent/inspect"
+	"github.com/nftcni/nftcni/agent/install"
 	kubesrc "github.com/nftcni/nftcni/agent/kube"
 	"github.com/nftcni/nftcni/agent/node"
 	"github.com/nftcni/nftcni/agent/zds"
@@ -36,6 +41,8 @@ import (
 	"github.com/nftcni/nftcni/internal/testnet"
 	"github.com/nftcni/nftcni/internal/ztunneltest"
 	"github.com/nftcni/nftcni/istio"
+	"github.com/nftcni/nftcni/nft"
+	"github.com/nftcni/nftcni/templates"
 )
 
 // istioPods is a node where Istio's agent enrolled pods.
@@ -44,6 +51,7 @@ type istioPods struct {
 	kube    *kubetest.Server
 	node    string
 	confDir string
+	binDir  string // the node's CNI bin dir, where Istio installed its plugin
 	pods    []*testnet.NS
 	names   []string
 	uids    []string
@@ -65,6 +73,7 @@ func enrolWithIstio(t testing.TB, kube *kubetest.Server, subnet, count int, nfta
 	dir := t.TempDir()
 	h.confDir = filepath.Join(dir, "net.d")
 	istioBin := filepath.Join(dir, "bin")
+	h.binDir = istioBin
 	for _, d := range []string{h.confDir, istioBin} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			t.Fatal(err)
@@ -159,22 +168,40 @@ func testHandover(t *testing.T, kube *kubetest.Server, subnet, count int, nftabl
 	}
 	before := captured.Load()
 
-	// Istio's agent goes: its DaemonSet is being replaced. Its rules stay
-	// in the pods, and ztunnel keeps serving them.
+	// Istio's agent goes. With its DaemonSet still there and selecting the
+	// node (iptables run), it takes that for an upgrade and leaves all its
+	// node state for nftcni to take over; without it (nftables run) it
+	// removes its conflist entry, binary and host rules. Its in-pod rules
+	// stay either way, and ztunnel keeps serving the pods.
+	if !nftables {
+		keepIstioOnStop(t, kube)
+	}
 	h.agent.Stop()
 	time.Sleep(200 * time.Millisecond)
+	left, _ := os.ReadFile(filepath.Join(h.confDir, "10-bridge.conflist"))
+	if got := strings.Contains(string(left), `"istio-cni"`); got != !nftables {
+		t.Fatalf("after Istio's agent stopped its conflist entry is there: %v, want %v", got, !nftables)
+	}
 
 	// nftcni starts on the node, serving ztunnel on the same socket path.
 	// The first pod also holds someone else's table: it must be left as
 	// it is, Istio's rules and all.
 	plantForeignTable(t, h.pods[0])
 	refusedBefore := nftRuleset(t, h.pods[0])
-	_, run, logs, took := h.startNftcni(t)
+	// The whole agent, installer included, as its DaemonSet runs it.
+	run, logs, took := h.runAgent(t)
 	t.Cleanup(func() {
 		if t.Failed() {
 			t.Logf("nftcni's log:\n%s", logs)
 		}
 	})
+	conf, _ := os.ReadFile(filepath.Join(h.confDir, "10-bridge.conflist"))
+	if strings.Contains(string(conf), `"istio-cni"`) || !strings.Contains(string(conf), `"nftcni"`) {
+		t.Errorf("the conflist after the handover:\n%s", conf)
+	}
+	if _, err := os.Stat(filepath.Join(h.binDir, "istio-cni")); !os.IsNotExist(err) {
+		t.Errorf("Istio's plugin binary is still installed: %v", err)
+	}
 	z2 := ztunneltest.Connect(t, h.agent.ZtunnelSocket)
 	z2.Wait(zds.KindSnapshotSent, "", 10*time.Second)
 	// The refused pod is kept (ZDS KeepWorkload: ztunnel goes on serving it
@@ -202,7 +229,7 @@ func testHandover(t *testing.T, kube *kubetest.Server, subnet, count int, nftabl
 	for _, l := range loops {
 		failed += l.failed()
 	}
-	t.Logf("handover of %d pods (Istio %s backend): nftcni started in %v; captured %d -> %d, escaped %d, failed %d",
+	t.Logf("handover of %d pods (Istio %s backend): nftcni installed and serving in %v; captured %d -> %d, escaped %d, failed %d",
 		count, map[bool]string{false: "iptables", true: "nftables"}[nftables], took.Round(time.Millisecond), before, after, escaped.Load(), failed)
 	if escaped.Load() != 0 || failed != 0 || after <= before {
 		t.Errorf("connection loops across the handover: escaped %d, failed %d, captured %d -> %d", escaped.Load(), failed, before, after)
@@ -234,6 +261,16 @@ func testHandover(t *testing.T, kube *kubetest.Server, subnet, count int, nftabl
 	if host := nftRuleset(t, h.n.node); strings.Contains(host, "istio") || strings.Contains(host, "ISTIO") {
 		t.Errorf("Istio's host state left after the handover:\n%s", host)
 	}
+	nh, err := netlink.NewHandleAt(netns.NsHandle(h.n.node.FD), unix.NETLINK_NETFILTER)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nh.Close()
+	for _, set := range nft.IstioProbeSets {
+		if _, err := nh.IpsetList(set); err == nil {
+			t.Errorf("Istio's ipset %s is left on the host", set)
+		}
+	}
 	for i, p := range h.pods[1:] {
 		i++
 		app := p.Listen(t, "0.0.0.0:8080", false)
@@ -249,6 +286,78 @@ func testHandover(t *testing.T, kube *kubetest.Server, subnet, count int, nftabl
 		}
 		app.Close()
 	}
+}
+
+// runAgent runs nftcni's whole agent on the node (node.Run: enrolment
+// side, then the installer in chained mode over the conflist Istio left),
+// and returns once the install is valid, with how long that took.
+func (h *istioPods) runAgent(t *testing.T) (string, *syncBuffer, time.Duration) {
+	t.Helper()
+	run := t.TempDir()
+	logs := &syncBuffer{}
+	log := slog.New(slog.NewTextHandler(logs, nil))
+	kc, err := kubesrc.NewClient(h.kube.Config)
+	if err != nil {
+		t.Fatal(err)
+	}
+	policy, err := enablement.Compile(enablement.DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	entry, err := templates.PluginEntry(templates.Values{LogLevel: "info", AgentRunDir: run, ExcludeNamespaces: []string{"kube-system"}, PodNamespace: "kube-system"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	in, err := install.New(install.Config{ConfDir: h.confDir, BinDirs: []string{h.binDir}, Mode: install.Chained, Entry: entry,
+		PluginBinary: filepath.Join(binDir, "nftcni"), Log: log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	state := &install.State{}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	started := time.Now()
+	go func() {
+		done <- node.Run(ctx, node.Agent{Config: node.Config{RunDir: run, HostNetns: h.n.node.Path, ProcDir: "/proc",
+			ZtunnelSocket: h.agent.ZtunnelSocket, IPv6: true, Policy: policy, Kube: kc, NodeName: h.node, Log: log},
+			Installer: in, InstallMetrics: install.NewMetrics(nil), State: state, OnExit: node.ExitKeep})
+	}()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("the agent: %v", err)
+		}
+	})
+	for deadline := time.Now().Add(30 * time.Second); state.Ready() != nil; time.Sleep(2 * time.Millisecond) {
+		select {
+		case err := <-done:
+			t.Fatalf("the agent stopped: %v\n%s", err, logs)
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the agent's install is not valid after 30 s: %v\n%s", state.Ready(), logs)
+		}
+	}
+	return run, logs, time.Since(started)
+}
+
+// keepIstioOnStop puts istio-cni's DaemonSet in the API server, selecting
+// every node, so that Istio's stopping agent takes its stop for an upgrade
+// and leaves its conflist entry, binary and host state in place.
+func keepIstioOnStop(t *testing.T, kube *kubetest.Server) {
+	t.Helper()
+	labels := map[string]string{"k8s-app": "istio-cni-node"}
+	ds := &appsv1.DaemonSet{ObjectMeta: metav1.ObjectMeta{Name: "istio-cni-node", Namespace: "istio-system"}, Spec: appsv1.DaemonSetSpec{
+		Selector: &metav1.LabelSelector{MatchLabels: labels},
+		Template: corev1.PodTemplateSpec{ObjectMeta: metav1.ObjectMeta{Labels: labels},
+			Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "install-cni", Image: "istio/install-cni"}}}},
+	}}
+	if _, err := kube.Client.AppsV1().DaemonSets("istio-system").Create(context.Background(), ds, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = kube.Client.AppsV1().DaemonSets("istio-system").Delete(context.Background(), "istio-cni-node", metav1.DeleteOptions{})
+	})
 }
 
 // istioNamespaces makes the ambient namespace (labelled) and istiod's.
