@@ -266,9 +266,16 @@ func testHandover(t *testing.T, kube *kubetest.Server, subnet, count int, nftabl
 		t.Fatal(err)
 	}
 	defer nh.Close()
+	// Its ipsets go once the kernel has released the rules that used them.
 	for _, set := range nft.IstioProbeSets {
-		if _, err := nh.IpsetList(set); err == nil {
-			t.Errorf("Istio's ipset %s is left on the host", set)
+		for deadline := time.Now().Add(15 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+			if _, err := nh.IpsetList(set); err != nil {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Errorf("Istio's ipset %s is left on the host", set)
+				break
+			}
 		}
 	}
 	for i, p := range h.pods[1:] {

@@ -6,7 +6,6 @@ import (
 	"os"
 	"slices"
 	"strings"
-	"time"
 
 	"github.com/google/nftables"
 	"github.com/google/nftables/expr"
@@ -303,10 +302,11 @@ func TakeOver(fd int, b *Batch, s *IstioState) error {
 	return nil
 }
 
-// RemoveIstioHost removes istio-cni's host probe state that SurveyHost
+// RemoveIstioHost removes istio-cni's host probe rules that SurveyHost
 // found: its tables, and its chain in the shared nat tables with the rules
-// that jump to it, in one transaction; then its ipsets, which only that
-// chain used. Call it once our own host table is in place.
+// that jump to it, in one transaction; the rest of those tables stays.
+// Call it once our own host table is in place. Its ipsets go after, with
+// DestroyIstioProbeSets, once the kernel has let go of the rules.
 func RemoveIstioHost(fd int, s *IstioState) error {
 	if !s.Found() {
 		return nil
@@ -319,7 +319,6 @@ func RemoveIstioHost(fd int, s *IstioState) error {
 	for _, t := range s.Tables {
 		c.DelTable(&nftables.Table{Family: t.Family, Name: t.Name})
 	}
-	hadChains := len(s.Chains) > 0
 	for _, ic := range s.Chains {
 		for _, j := range ic.jumps {
 			if err := c.DelRule(j); err != nil {
@@ -333,9 +332,21 @@ func RemoveIstioHost(fd int, s *IstioState) error {
 	if err := c.Flush(); err != nil {
 		return fmt.Errorf("removing istio-cni's host probe rules: %w", err)
 	}
-	if !hadChains {
-		return nil
-	}
+	return nil
+}
+
+// UsesIpsets says whether istio-cni's host state here is its iptables
+// backend's, which keeps the probe set in ipsets.
+func (s *IstioState) UsesIpsets() bool { return len(s.Chains) > 0 }
+
+// ErrIpsetBusy is an ipset still referenced: the rules that used it are
+// released by the kernel some time after their removal is committed.
+var ErrIpsetBusy = errors.New("still referenced")
+
+// DestroyIstioProbeSets destroys istio-cni's probe ipsets in the netns
+// behind fd (those already gone are fine); ErrIpsetBusy while a rule that
+// used them is not released yet.
+func DestroyIstioProbeSets(fd int) error {
 	h, err := netlink.NewHandleAt(netns.NsHandle(fd), unix.NETLINK_NETFILTER)
 	if err != nil {
 		return fmt.Errorf("ipset socket in the host netns: %w", err)
@@ -343,13 +354,11 @@ func RemoveIstioHost(fd int, s *IstioState) error {
 	defer h.Close()
 	var errs []error
 	for _, name := range IstioProbeSets {
-		err := h.IpsetDestroy(name)
-		// The rules that used the set are released after the commit.
-		for i := 0; errors.Is(err, unix.EBUSY) && i < 20; i++ {
-			time.Sleep(25 * time.Millisecond)
-			err = h.IpsetDestroy(name)
-		}
-		if err != nil && !errors.Is(err, unix.ENOENT) {
+		switch err := h.IpsetDestroy(name); {
+		case err == nil, errors.Is(err, unix.ENOENT):
+		case errors.Is(err, unix.EBUSY):
+			errs = append(errs, fmt.Errorf("istio-cni's ipset %s: %w", name, ErrIpsetBusy))
+		default:
 			errs = append(errs, fmt.Errorf("removing istio-cni's ipset %s: %w", name, err))
 		}
 	}

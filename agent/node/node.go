@@ -257,7 +257,10 @@ func Start(ctx context.Context, cfg Config) (_ *Node, err error) {
 		if err := nft.RemoveIstioHost(int(hostNetns.Fd()), s); err != nil {
 			log.Error("could not remove istio-cni's host probe state; probes still work through ours", "netns", cfg.HostNetns, "err", err)
 		} else {
-			log.Info("removed istio-cni's host probe state", "netns", cfg.HostNetns, "removed", s.What())
+			log.Info("removed istio-cni's host probe rules", "netns", cfg.HostNetns, "removed", s.What())
+			if s.UsesIpsets() {
+				n.goWait(func() { destroyIstioIpsets(ctx, int(hostNetns.Fd()), log) })
+			}
 		}
 	}
 	guard := cfg.HostGuardEvery
@@ -311,6 +314,28 @@ func Start(ctx context.Context, cfg Config) (_ *Node, err error) {
 		log.Warn("continuous verification is off: a changed pod ruleset is found only by the next agent start")
 	}
 	return n, nil
+}
+
+// destroyIstioIpsets removes istio-cni's probe ipsets once the kernel has
+// released the rules that used them (some time after their removal), for
+// up to a minute; a leftover set holds nothing that matters.
+func destroyIstioIpsets(ctx context.Context, hostNetns int, log *slog.Logger) {
+	var err error
+	for deadline := time.Now().Add(time.Minute); time.Now().Before(deadline); {
+		if err = nft.DestroyIstioProbeSets(hostNetns); !errors.Is(err, nft.ErrIpsetBusy) {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
+	if err != nil {
+		log.Warn("could not remove istio-cni's host probe ipsets; they are unused", "err", err)
+		return
+	}
+	log.Info("removed istio-cni's host probe ipsets", "sets", nft.IstioProbeSets)
 }
 
 // reconcileOnChange re-evaluates every pod whenever the pod source
