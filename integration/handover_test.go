@@ -295,14 +295,10 @@ func testHandover(t *testing.T, kube *kubetest.Server, subnet, count int, nftabl
 	}
 }
 
-// runAgent runs nftcni's whole agent on the node (node.Run: enrolment
-// side, then the installer in chained mode over the conflist Istio left),
-// and returns once the install is valid, with how long that took.
-func (h *istioPods) runAgent(t *testing.T) (string, *syncBuffer, time.Duration) {
+// agentConfig is nftcni's agent on this node: Istio's ZDS socket path,
+// the node's host netns, the test API server, the default policy.
+func (h *istioPods) agentConfig(t testing.TB, run string, log *slog.Logger) node.Config {
 	t.Helper()
-	run := t.TempDir()
-	logs := &syncBuffer{}
-	log := slog.New(slog.NewTextHandler(logs, nil))
 	kc, err := kubesrc.NewClient(h.kube.Config)
 	if err != nil {
 		t.Fatal(err)
@@ -311,6 +307,18 @@ func (h *istioPods) runAgent(t *testing.T) (string, *syncBuffer, time.Duration) 
 	if err != nil {
 		t.Fatal(err)
 	}
+	return node.Config{RunDir: run, HostNetns: h.n.node.Path, ProcDir: "/proc", ZtunnelSocket: h.agent.ZtunnelSocket,
+		IPv6: true, Policy: policy, Kube: kc, NodeName: h.node, Log: log}
+}
+
+// runAgent runs nftcni's whole agent on the node (node.Run: enrolment
+// side, then the installer in chained mode over the conflist Istio left),
+// and returns once the install is valid, with how long that took.
+func (h *istioPods) runAgent(t *testing.T) (string, *syncBuffer, time.Duration) {
+	t.Helper()
+	run := t.TempDir()
+	logs := &syncBuffer{}
+	log := slog.New(slog.NewTextHandler(logs, nil))
 	entry, err := templates.PluginEntry(templates.Values{LogLevel: "info", AgentRunDir: run, ExcludeNamespaces: []string{"kube-system"}, PodNamespace: "kube-system"})
 	if err != nil {
 		t.Fatal(err)
@@ -325,8 +333,7 @@ func (h *istioPods) runAgent(t *testing.T) (string, *syncBuffer, time.Duration) 
 	done := make(chan error, 1)
 	started := time.Now()
 	go func() {
-		done <- node.Run(ctx, node.Agent{Config: node.Config{RunDir: run, HostNetns: h.n.node.Path, ProcDir: "/proc",
-			ZtunnelSocket: h.agent.ZtunnelSocket, IPv6: true, Policy: policy, Kube: kc, NodeName: h.node, Log: log},
+		done <- node.Run(ctx, node.Agent{Config: h.agentConfig(t, run, log),
 			Installer: in, InstallMetrics: install.NewMetrics(nil), State: state, OnExit: node.ExitKeep})
 	}()
 	t.Cleanup(func() {
@@ -386,20 +393,11 @@ func istioNamespaces(t testing.TB, kube *kubetest.Server) {
 // the whole handover happens inside it, before ztunnel is served.
 func (h *istioPods) startNftcni(t testing.TB) (*node.Node, string, *syncBuffer, time.Duration) {
 	t.Helper()
-	kc, err := kubesrc.NewClient(h.kube.Config)
-	if err != nil {
-		t.Fatal(err)
-	}
-	policy, err := enablement.Compile(enablement.DefaultConfig())
-	if err != nil {
-		t.Fatal(err)
-	}
 	run := t.TempDir()
 	logs := &syncBuffer{}
+	cfg := h.agentConfig(t, run, slog.New(slog.NewTextHandler(logs, nil)))
 	started := time.Now()
-	a, err := node.Start(context.Background(), node.Config{RunDir: run, HostNetns: h.n.node.Path, ProcDir: "/proc",
-		ZtunnelSocket: h.agent.ZtunnelSocket, IPv6: true, Policy: policy, Kube: kc, NodeName: h.node,
-		Log: slog.New(slog.NewTextHandler(logs, nil))})
+	a, err := node.Start(context.Background(), cfg)
 	if err != nil {
 		t.Fatalf("starting nftcni: %v\n%s", err, logs)
 	}
