@@ -130,6 +130,36 @@ func TestReleasedPodIsNotBlackHoled(t *testing.T) {
 	}
 }
 
+// A pod's DEL while no agent runs still takes its rules away: the plugin
+// sends the removal the agent left in its policy snapshot (the plugin
+// links no nf_tables encoder of its own).
+func TestDelWithoutTheAgentRemovesTheRules(t *testing.T) {
+	n := newAgentNode(t, 88, nil)
+	src := sourceDir(t, map[string]string{"ns.yaml": meshNamespace, "app.yaml": appPod})
+	cmd, z := n.start(t, "--pod-source", src)
+	list := n.installed(t)
+	app := testnet.NewNS(t, "nftpod")
+	rt := runtimeConf(app, "mesh", "app", nil)
+	if _, err := n.add(list, rt); err != nil {
+		t.Fatal(err)
+	}
+	z.Wait(zds.KindAdd, "uid-app", 5*time.Second)
+	if !hasTable(t, app) || !strings.Contains(ipRules(t, app), "lookup 100") {
+		t.Fatal("the enrolled pod has no ruleset to remove")
+	}
+	_ = cmd.Process.Kill()
+	_, _ = cmd.Process.Wait()
+	if err := n.del(list, rt); err != nil {
+		t.Fatalf("DEL without the agent: %v", err)
+	}
+	if hasTable(t, app) {
+		t.Error("the pod's table stayed after its DEL")
+	}
+	if rules := ipRules(t, app); strings.Contains(rules, "lookup 100") {
+		t.Errorf("the connmark ip rule stayed after the DEL:\n%s", rules)
+	}
+}
+
 // A Pod without metadata.uid is refused by name, and never goes to
 // ztunnel with an empty UID (ztunnel refuses that); the other files load.
 func TestPodWithoutUIDIsRefusedByName(t *testing.T) {

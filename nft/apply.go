@@ -8,6 +8,7 @@ import (
 	"github.com/google/nftables/userdata"
 
 	"github.com/nftcni/nftcni/istio"
+	"github.com/nftcni/nftcni/nft/nlsend"
 )
 
 // ruleCommentType is libnftnl's NFTNL_UDATA_RULE_COMMENT, the TLV nft reads
@@ -103,7 +104,7 @@ func Delete(fd int, rs *Ruleset) error {
 	if err != nil {
 		return err
 	}
-	return Remove(fd, r)
+	return nlsend.Remove(fd, r)
 }
 
 func nftSet(t *nftables.Table, s *Set, id uint32) *nftables.Set {

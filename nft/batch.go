@@ -6,13 +6,16 @@ import (
 	"github.com/google/nftables"
 	"github.com/mdlayher/netlink"
 	"golang.org/x/sys/unix"
+
+	"github.com/nftcni/nftcni/nft/nlsend"
 )
 
-// Batch is a ruleset encoded once for the kernel, so that programming it
-// into a netns is writing bytes to two sockets there: the nf_tables
-// transaction (one send, one ack) and the policy routes (one send, one
-// ack). The agent encodes a pod's batch warm and hands it to the plugin
-// with its decision; the plugin, a freshly exec'd process, only sends it.
+// Batch is a ruleset encoded once for the kernel (nlsend.Batch), so that
+// programming it into a netns is writing bytes to two sockets there: the
+// nf_tables transaction (one send, one ack) and the policy routes (one
+// send, one ack). The agent encodes a pod's batch warm and hands it to the
+// plugin with its decision; the plugin, a freshly exec'd process, only
+// sends it, with package nlsend.
 //
 // Nothing here encodes an expression by hand: the nf_tables messages are
 // google/nftables' own, captured through its test dialer instead of a
@@ -32,17 +35,14 @@ import (
 //     Deleting costs a kernel RCU wait when the socket closes, so a fresh
 //     netns never pays for it.
 type Batch struct {
-	// Tables is the nf_tables transaction, batch begin to batch end.
-	Tables []byte `json:"tables"`
-	// Replace goes right after the batch begin of Tables when the tables
-	// exist: per table an add (a no-op on an existing one) and a delete.
-	Replace []byte `json:"replace,omitempty"`
-	// Routes are the rtnetlink messages of the ruleset's policy routes.
-	Routes []byte `json:"routes,omitempty"`
+	nlsend.Batch
 	// source is what Encode made the batch from (never sent): the Fake
 	// reads it.
 	source *Ruleset
 }
+
+// Program writes b into the netns behind fd (nlsend.Program).
+func Program(fd int, b *Batch) error { return nlsend.Program(fd, &b.Batch) }
 
 // Encode turns rs into its Batch.
 func Encode(rs *Ruleset) (*Batch, error) {
@@ -61,7 +61,7 @@ func Encode(rs *Ruleset) (*Batch, error) {
 	if err != nil {
 		return nil, err
 	}
-	b := &Batch{Tables: frame(tables, 1, true, true), Routes: routeMessages(rs.Routes, true), source: rs}
+	b := &Batch{Batch: nlsend.Batch{Tables: frame(tables, 1, true, true), Routes: routeMessages(rs.Routes, true)}, source: rs}
 	if len(replace) > 2 { // without its own batch begin and end
 		b.Replace = frame(replace[1:len(replace)-1], uint32(len(tables)+1), false, false)
 	}
@@ -71,8 +71,8 @@ func Encode(rs *Ruleset) (*Batch, error) {
 // EncodeRemoval is the batch that removes rs's tables and policy routes.
 // Each table goes in a transaction of its own, so one already gone
 // (ENOENT, which the sender accepts) cannot stop another's removal.
-func EncodeRemoval(rs *Ruleset) (*RemovalBatch, error) {
-	r := &RemovalBatch{Routes: routeMessages(rs.Routes, false)}
+func EncodeRemoval(rs *Ruleset) (*nlsend.Removal, error) {
+	r := &nlsend.Removal{Routes: routeMessages(rs.Routes, false)}
 	for _, t := range rs.Tables {
 		msgs, err := capture(func(c *nftables.Conn) error {
 			c.DelTable(&nftables.Table{Name: t.Name, Family: nftables.TableFamilyINet})
@@ -84,13 +84,6 @@ func EncodeRemoval(rs *Ruleset) (*RemovalBatch, error) {
 		r.Tables = append(r.Tables, frame(msgs, 1, false, true))
 	}
 	return r, nil
-}
-
-// RemovalBatch is what EncodeRemoval makes: one transaction per table and
-// the route deletions.
-type RemovalBatch struct {
-	Tables [][]byte
-	Routes []byte
 }
 
 // capture runs build against a google/nftables connection whose socket is

@@ -11,6 +11,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/nftcni/nftcni/internal/testnet"
+	"github.com/nftcni/nftcni/nft/nlsend"
 )
 
 // headers lists the (type, flags) of each message in b.
@@ -23,7 +24,7 @@ func headers(t *testing.T, b []byte) [][2]uint16 {
 			t.Fatalf("malformed message of length %d in %d bytes", l, len(b))
 		}
 		out = append(out, [2]uint16{binary.NativeEndian.Uint16(b[4:]), binary.NativeEndian.Uint16(b[6:])})
-		b = b[nlmAlign(l):]
+		b = b[(l+unix.NLMSG_ALIGNTO-1)&^(unix.NLMSG_ALIGNTO-1):]
 	}
 	return out
 }
@@ -100,7 +101,7 @@ func TestProgramTwiceReplaces(t *testing.T) {
 		t.Fatal(err)
 	}
 	for i := 0; i < 2; i++ {
-		if err := Remove(n.FD, removal); err != nil {
+		if err := nlsend.Remove(n.FD, removal); err != nil {
 			t.Fatalf("remove %d: %v", i+1, err)
 		}
 	}
@@ -125,7 +126,7 @@ func TestProgramReportsTheKernelsReason(t *testing.T) {
 	}
 	n := testnet.NewNS(t, "nftbatch")
 	err = Program(n.FD, b)
-	var nerr *NetlinkError
+	var nerr *nlsend.NetlinkError
 	if !errors.As(err, &nerr) || nerr.Errno != unix.ENOENT || nerr.Type != unix.NFNL_SUBSYS_NFTABLES<<8|unix.NFT_MSG_NEWRULE {
 		t.Fatalf("Program = %v, want ENOENT on a NEWRULE", err)
 	}

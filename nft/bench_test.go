@@ -19,6 +19,8 @@ import (
 	vnl "github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
+
+	"github.com/nftcni/nftcni/nft/nlsend"
 )
 
 // freshNetns returns an fd of a new, empty network namespace with lo up
@@ -193,11 +195,11 @@ func BenchmarkProgramFresh(b *testing.B) {
 // times the two sendto calls carrying batch and the read of each ack: the
 // kernel's own work on the transaction and the routes, and nothing else.
 func kernelFloor(fd int, batch *Batch) (time.Duration, error) {
-	socks, err := dialIn(fd, unix.NETLINK_NETFILTER, unix.NETLINK_ROUTE)
+	socks, err := nlsend.Dial(fd, unix.NETLINK_NETFILTER, unix.NETLINK_ROUTE)
 	if err != nil {
 		return 0, err
 	}
-	defer closeAll(socks)
+	defer nlsend.CloseAll(socks)
 	var buf [8192]byte
 	start := time.Now()
 	for i, msgs := range [][]byte{batch.Tables, batch.Routes} {

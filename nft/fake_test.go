@@ -67,7 +67,7 @@ func TestFake(t *testing.T) {
 	if err := f.Remove(ns3); err != nil {
 		t.Errorf("Remove of what is already gone: %v", err)
 	}
-	if err := f.Program(ns3, &Batch{Tables: b.Tables}); err == nil {
+	if err := f.Program(ns3, &Batch{Batch: b.Batch}); err == nil {
 		t.Error("Program of a batch not made by Encode succeeded")
 	}
 }

@@ -12,6 +12,8 @@ import (
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
+
+	"github.com/nftcni/nftcni/nft/nlsend"
 )
 
 // What istio-cni leaves behind, by backend (read from a real istio-cni in
@@ -121,7 +123,7 @@ func SurveyPod(fd int) (*IstioState, error) {
 // its /proc/net/ip_tables_names and ip6_tables_names say.
 func legacyTables(fd int) ([]string, error) {
 	var out []string
-	err := inNetns(fd, func() error {
+	err := nlsend.InNetns(fd, func() error {
 		for _, f := range []struct{ fam, path string }{{"ip", "/proc/thread-self/net/ip_tables_names"}, {"ip6", "/proc/thread-self/net/ip6_tables_names"}} {
 			b, err := os.ReadFile(f.path)
 			if errors.Is(err, os.ErrNotExist) {
@@ -296,7 +298,7 @@ func TakeOver(fd int, b *Batch, s *IstioState) error {
 	if len(dels) > 2 { // without its own batch begin and end
 		pre = frame(dels[1:len(dels)-1], uint32(1<<20), false, false)
 	}
-	if err := send(fd, spliceReplace(b.Tables, append(pre, b.Replace...)), nil, b.Routes); err != nil {
+	if err := nlsend.Send(fd, nlsend.SpliceReplace(b.Tables, append(pre, b.Replace...)), nil, b.Routes); err != nil {
 		return fmt.Errorf("replacing istio-cni's rules: %w", err)
 	}
 	return nil

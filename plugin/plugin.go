@@ -30,7 +30,7 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 	"golang.org/x/sys/unix"
 
-	"github.com/nftcni/nftcni/nft"
+	"github.com/nftcni/nftcni/nft/nlsend"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
 
@@ -269,7 +269,7 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 		return c.printPrev(stdout)
 	}
 	t := &wire.Timings{Decided: c.since()}
-	perr := nft.Program(int(netns.Fd()), r.Batch)
+	perr := nlsend.Program(int(netns.Fd()), r.Batch)
 	t.Programmed = c.since()
 	errText := ""
 	if perr != nil {
@@ -382,9 +382,7 @@ func (p *Plugin) Del(args *Args) error {
 		return nil
 	}
 	if netns, err := openNetns(args.Netns); err == nil {
-		if err := nft.Delete(int(netns.Fd()), nft.PodCleanup()); err != nil {
-			c.warn("could not remove the pod's rules; they go with the netns", "err", err)
-		}
+		c.removeRules(netns)
 		netns.Close()
 	} else if args.Netns != "" && !errors.Is(err, os.ErrNotExist) {
 		c.warn("could not open the pod's netns", "netns", args.Netns, "err", err)
@@ -394,6 +392,28 @@ func (p *Plugin) Del(args *Args) error {
 		c.warn("could not tell the agent about DEL; it reconciles on its own", "err", err)
 	}
 	return nil
+}
+
+// removeRules takes whatever pod ruleset of ours the netns holds away,
+// with the removal the agent encoded into its policy snapshot (the agent
+// writes the snapshot before it installs this binary). Without a snapshot
+// no agent has run since boot, so this plugin, which programs only what an
+// agent encoded, has put nothing there.
+func (c *call) removeRules(netns *os.File) {
+	pol, err := wire.ReadPolicy(c.conf.PolicyPath())
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+		return
+	case err != nil:
+		c.warn("could not remove the pod's rules; they go with the netns", "err", err)
+		return
+	case pol.Cleanup == nil:
+		c.warn("the agent's policy snapshot has no cleanup batch (written by an older agent?); the agent removes the rules, or they go with the netns")
+		return
+	}
+	if err := nlsend.Remove(int(netns.Fd()), pol.Cleanup); err != nil {
+		c.warn("could not remove the pod's rules; they go with the netns", "err", err)
+	}
 }
 
 // Check handles CNI CHECK: the pod's ruleset must be present and intact.

@@ -6,6 +6,7 @@ package enablement
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/netip"
 	"slices"
@@ -151,12 +152,56 @@ func (p *Policy) SelectorsMatch(pod *corev1.Pod, ns *corev1.Namespace) bool {
 	return false
 }
 
+// Decision is what a pod gets: its mode, why, and what its ruleset is
+// made of. The plugin is sent the verdict and the ruleset already encoded
+// (Verdict, nft.Encode of Ruleset); records keep the whole decision.
+type Decision struct {
+	Mode wire.Mode `json:"mode"`
+	// Reason is a short human explanation, logged by both sides.
+	Reason  string           `json:"reason,omitempty"`
+	Ambient *nft.AmbientSpec `json:"ambient,omitempty"`
+	Sidecar *SidecarDecision `json:"sidecar,omitempty"`
+}
+
+// SidecarDecision carries the inputs of a sidecar ruleset: the pod's
+// annotations and its proxy's identity.
+type SidecarDecision struct {
+	Annotations map[string]string `json:"annotations"`
+	Proxy       nft.SidecarProxy  `json:"proxy"`
+}
+
+// Verdict is the decision as the plugin gets it.
+func (d *Decision) Verdict() *wire.Verdict { return &wire.Verdict{Mode: d.Mode, Reason: d.Reason} }
+
+// Ruleset builds the pod's ruleset for a decision; nil for ModeNone.
+func (d *Decision) Ruleset() (*nft.Ruleset, error) {
+	switch d.Mode {
+	case wire.ModeNone:
+		return nil, nil
+	case wire.ModeAmbient:
+		if d.Ambient == nil {
+			return nil, errors.New("ambient decision without a spec")
+		}
+		return nft.Ambient(*d.Ambient), nil
+	case wire.ModeSidecar:
+		if d.Sidecar == nil {
+			return nil, errors.New("sidecar decision without annotations")
+		}
+		spec, err := nft.ParseSidecar(d.Sidecar.Annotations, d.Sidecar.Proxy)
+		if err != nil {
+			return nil, err
+		}
+		return nft.Sidecar(spec), nil
+	}
+	return nil, fmt.Errorf("unknown mode %q", d.Mode)
+}
+
 // Decide says what pod gets. ips are the pod's addresses (from the plugin
 // or the pod status); ip6 rules are made only for a pod that has an IPv6
 // address, because the v6 policy route cannot be added in a netns without
 // IPv6 and would fail the ADD for nothing.
-func (p *Policy) Decide(pod *corev1.Pod, ns *corev1.Namespace, ips []netip.Prefix) *wire.Decision {
-	none := func(why string) *wire.Decision { return &wire.Decision{Mode: wire.ModeNone, Reason: why} }
+func (p *Policy) Decide(pod *corev1.Pod, ns *corev1.Namespace, ips []netip.Prefix) *Decision {
+	none := func(why string) *Decision { return &Decision{Mode: wire.ModeNone, Reason: why} }
 	switch {
 	case pod.Spec.HostNetwork:
 		return none("host network")
@@ -185,13 +230,13 @@ func (p *Policy) Decide(pod *corev1.Pod, ns *corev1.Namespace, ips []netip.Prefi
 			spec.VirtualInterfaces = append(spec.VirtualInterfaces, i)
 		}
 	}
-	return &wire.Decision{Mode: wire.ModeAmbient, Reason: "enablement selector matches", Ambient: &spec}
+	return &Decision{Mode: wire.ModeAmbient, Reason: "enablement selector matches", Ambient: &spec}
 }
 
 // sidecar is istio-cni's sidecar path: the pod spec says whether the
 // injected proxy needs us, and how it runs.
-func (p *Policy) sidecar(pod *corev1.Pod, ips []netip.Prefix) *wire.Decision {
-	none := func(why string) *wire.Decision { return &wire.Decision{Mode: wire.ModeNone, Reason: why} }
+func (p *Policy) sidecar(pod *corev1.Pod, ips []netip.Prefix) *Decision {
+	none := func(why string) *Decision { return &Decision{Mode: wire.ModeNone, Reason: why} }
 	all := append(slices.Clone(pod.Spec.InitContainers), pod.Spec.Containers...)
 	var proxy *corev1.Container
 	for i := range all {
@@ -237,6 +282,6 @@ func (p *Policy) sidecar(pod *corev1.Pod, ips []netip.Prefix) *wire.Decision {
 			px.GID = uint32(*sc.RunAsGroup)
 		}
 	}
-	return &wire.Decision{Mode: wire.ModeSidecar, Reason: "sidecar injected",
-		Sidecar: &wire.SidecarDecision{Annotations: pod.Annotations, Proxy: px}}
+	return &Decision{Mode: wire.ModeSidecar, Reason: "sidecar injected",
+		Sidecar: &SidecarDecision{Annotations: pod.Annotations, Proxy: px}}
 }

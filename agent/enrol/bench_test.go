@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nftcni/nftcni/agent/enablement"
 	"github.com/nftcni/nftcni/agent/hostprobe"
 	"github.com/nftcni/nftcni/agent/records"
 	"github.com/nftcni/nftcni/internal/testnet"
@@ -46,7 +47,7 @@ func BenchmarkCompletion(b *testing.B) {
 		uid := fmt.Sprintf("uid-%d", i)
 		ips := []netip.Addr{netip.AddrFrom4([4]byte{10, 9, byte(i >> 8), byte(i)}), netip.MustParseAddr(fmt.Sprintf("fd00::9:%x", i))}
 		r := &records.Record{Pod: wire.Pod{Namespace: "ns", Name: uid, UID: uid,
-			Attachment: wire.Attachment{ContainerID: "c-" + uid, IfName: "eth0"}}, UID: uid, Decision: &wire.Decision{Mode: wire.ModeAmbient}}
+			Attachment: wire.Attachment{ContainerID: "c-" + uid, IfName: "eth0"}}, UID: uid, Decision: &enablement.Decision{Mode: wire.ModeAmbient}}
 		start := time.Now()
 		err := tb.Add(uid, ips)
 		mid := time.Now()

@@ -170,7 +170,7 @@ type pod struct {
 	// uid is the pod's Kubernetes UID ("" when neither the runtime nor the
 	// store gave one: such a pod is never handed to ztunnel).
 	uid string
-	d   *wire.Decision // never nil; ModeNone: known, not enrolled
+	d   *enablement.Decision // never nil; ModeNone: known, not enrolled
 	// netns is the one descriptor of the pod's netns the agent holds; nil
 	// for a record whose sandbox is gone.
 	netns            *os.File
@@ -185,7 +185,9 @@ func (p *pod) enrolled() bool { return p.d.Mode != wire.ModeNone }
 
 func (p *pod) fd() int { return int(p.netns.Fd()) }
 
-func none(reason string) *wire.Decision { return &wire.Decision{Mode: wire.ModeNone, Reason: reason} }
+func none(reason string) *enablement.Decision {
+	return &enablement.Decision{Mode: wire.ModeNone, Reason: reason}
+}
 
 func (e *Enroller) workload(p *pod) zds.WorkloadInfo {
 	info := zds.WorkloadInfo{Name: p.id.Name, Namespace: p.id.Namespace, ServiceAccount: "default"}
@@ -195,7 +197,7 @@ func (e *Enroller) workload(p *pod) zds.WorkloadInfo {
 	return info
 }
 
-func (e *Enroller) record(p *pod, d *wire.Decision) *records.Record {
+func (e *Enroller) record(p *pod, d *enablement.Decision) *records.Record {
 	return &records.Record{Pod: p.id, UID: p.uid, Decision: d, NetnsDev: p.nsDev, NetnsIno: p.nsIno}
 }
 
@@ -223,7 +225,7 @@ type how struct {
 }
 
 // enrol brings p into the mesh as d says. Called with p.mu held.
-func (e *Enroller) enrol(ctx context.Context, p *pod, d *wire.Decision, h how) error {
+func (e *Enroller) enrol(ctx context.Context, p *pod, d *enablement.Decision, h how) error {
 	ambient := d.Mode == wire.ModeAmbient
 	if ambient && p.uid == "" {
 		return fmt.Errorf("pod %s has no UID (neither K8S_POD_UID from the runtime nor metadata.uid in its manifest): ztunnel names workloads by UID, so it cannot be enrolled in ambient", p.id.Key())
@@ -440,7 +442,7 @@ func (e *Enroller) sibling(p *pod) *pod {
 	return nil
 }
 
-func (e *Enroller) saveRecord(p *pod, d *wire.Decision) {
+func (e *Enroller) saveRecord(p *pod, d *enablement.Decision) {
 	if e.opts.Records == nil {
 		return
 	}

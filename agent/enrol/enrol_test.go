@@ -165,14 +165,14 @@ func (a *fakeAnnotator) SetRedirection(ctx context.Context, namespace, name, sta
 // unless its outcome is a failure.
 type fakePlugin struct {
 	l          *trail
-	decided    *wire.Decision
+	decided    *wire.Verdict
 	batch      *nft.Batch
 	outcomeErr error
 	rules      *nft.Fake
 	netns      *os.File
 }
 
-func (p *fakePlugin) Decide(d *wire.Decision, b *nft.Batch) error {
+func (p *fakePlugin) Decide(d *wire.Verdict, b *nft.Batch) error {
 	p.l.add("plugin.Decide %s", d.Mode)
 	p.decided, p.batch = d, b
 	return nil

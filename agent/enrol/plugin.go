@@ -8,6 +8,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/nftcni/nftcni/agent/enablement"
 	"github.com/nftcni/nftcni/agent/events"
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
@@ -16,7 +17,7 @@ import (
 // This file is what the plugin's requests reach (events.Handler).
 
 // Decide looks the pod up and applies the enablement policy.
-func (e *Enroller) Decide(ctx context.Context, p *wire.Pod) (*wire.Decision, error) {
+func (e *Enroller) Decide(ctx context.Context, p *wire.Pod) (*enablement.Decision, error) {
 	kp := e.store.Pod(p.Namespace, p.Name)
 	for i := 0; kp == nil && i < e.lookupRetries; i++ {
 		select {
@@ -99,7 +100,7 @@ func (e *Enroller) Add(ctx context.Context, wp *wire.Pod, netns *os.File, plugin
 	if d.Mode == wire.ModeNone {
 		// Known, with its netns, so that enrolling it later (a label
 		// added) needs no search for its netns.
-		if err := plugin.Decide(d, nil); err != nil {
+		if err := plugin.Decide(d.Verdict(), nil); err != nil {
 			e.log.Debug("plugin went away after its decision", "pod", wp.Key(), "err", err)
 		}
 		p.d = d
@@ -109,7 +110,7 @@ func (e *Enroller) Add(ctx context.Context, wp *wire.Pod, netns *os.File, plugin
 	var t *wire.Timings
 	start := time.Now()
 	err = e.enrol(ctx, p, d, how{
-		start: func(context.Context) error { return plugin.Decide(d, batch) },
+		start: func(context.Context) error { return plugin.Decide(d.Verdict(), batch) },
 		rules: func(context.Context) (err error) { t, err = plugin.Outcome(); return err }})
 	if err != nil {
 		return err

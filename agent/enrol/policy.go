@@ -15,6 +15,9 @@ func (e *Enroller) Policy() *wire.Policy {
 	cfg := e.policy.Config()
 	p := &wire.Policy{Generated: time.Now().UTC(), ExcludeNamespaces: cfg.ExcludeNamespaces,
 		EnrolledNamespaces: []string{}, Pods: map[string]wire.Mode{}}
+	if c, err := podCleanup(); err == nil { // encoding a constant: fails only in a broken build
+		p.Cleanup = c
+	}
 	nss := map[string]*corev1.Namespace{}
 	for _, ns := range e.store.Namespaces() {
 		nss[ns.Name] = ns

@@ -9,6 +9,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 
+	"github.com/nftcni/nftcni/agent/enablement"
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
@@ -103,7 +104,7 @@ func (e *Enroller) reconcilePod(ctx context.Context, p *pod, kp *corev1.Pod) err
 // istio-cni's rules are taken over (and someone else's beside them leave
 // the pod alone), our own intact rules are left in place, and a failed
 // enrolment removes neither.
-func (e *Enroller) enrolByAgent(ctx context.Context, p *pod, d *wire.Decision, why string) error {
+func (e *Enroller) enrolByAgent(ctx context.Context, p *pod, d *enablement.Decision, why string) error {
 	rs, batch, err := e.batches.get(d)
 	if err != nil {
 		return err
@@ -145,7 +146,7 @@ func (e *Enroller) takeOver(p *pod, batch *nft.Batch) error {
 // reprogram swaps an enrolled pod's ruleset for the one its annotations now
 // ask for (DNS capture, inbound bypass, virtual interfaces), in one atomic
 // replace: the pod stays captured throughout.
-func (e *Enroller) reprogram(ctx context.Context, p *pod, d *wire.Decision) error {
+func (e *Enroller) reprogram(ctx context.Context, p *pod, d *enablement.Decision) error {
 	_, batch, err := e.batches.get(d)
 	if err != nil {
 		return err

@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 
+	"github.com/nftcni/nftcni/agent/enablement"
 	"github.com/nftcni/nftcni/agent/records"
 	"github.com/nftcni/nftcni/agent/zds"
 	"github.com/nftcni/nftcni/istio"
@@ -282,7 +283,7 @@ func (e *Enroller) keepInZtunnel(kp *corev1.Pod) {
 
 // adopt enrols a running pod found through /proc, its rules verified and
 // repaired by the agent, ztunnel getting it in its first snapshot.
-func (e *Enroller) adopt(ctx context.Context, p *pod, d *wire.Decision) error {
+func (e *Enroller) adopt(ctx context.Context, p *pod, d *enablement.Decision) error {
 	rs, batch, err := e.batches.get(d)
 	if err != nil {
 		return err

@@ -4,14 +4,16 @@ import (
 	"encoding/json"
 	"sync"
 
+	"github.com/nftcni/nftcni/agent/enablement"
 	"github.com/nftcni/nftcni/nft"
+	"github.com/nftcni/nftcni/nft/nlsend"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
 
 // NftRules is Rules on package nft.
 type NftRules struct{}
 
-var podCleanup = sync.OnceValues(func() (*nft.RemovalBatch, error) { return nft.EncodeRemoval(nft.PodCleanup()) })
+var podCleanup = sync.OnceValues(func() (*nlsend.Removal, error) { return nft.EncodeRemoval(nft.PodCleanup()) })
 
 // Program writes b into the netns behind fd.
 func (NftRules) Program(fd int, b *nft.Batch) error { return nft.Program(fd, b) }
@@ -22,7 +24,7 @@ func (NftRules) Remove(fd int) error {
 	if err != nil {
 		return err
 	}
-	return nft.Remove(fd, r)
+	return nlsend.Remove(fd, r)
 }
 
 // Check is nft.Check.
@@ -58,7 +60,7 @@ type encoded struct {
 const maxCached = 256
 
 // get returns the ruleset and batch of a decision (nil for ModeNone).
-func (c *batchCache) get(d *wire.Decision) (*nft.Ruleset, *nft.Batch, error) {
+func (c *batchCache) get(d *enablement.Decision) (*nft.Ruleset, *nft.Batch, error) {
 	if d.Mode == wire.ModeNone {
 		return nil, nil, nil
 	}

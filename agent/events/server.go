@@ -55,7 +55,7 @@ type Handler interface {
 type Plugin interface {
 	// Decide sends the decision and, for an enrolled pod, the batch the
 	// plugin is to program.
-	Decide(d *wire.Decision, b *nft.Batch) error
+	Decide(v *wire.Verdict, b *nft.Batch) error
 	// Outcome waits for the plugin's outcome of an enrolled pod's
 	// decision: nil once the rules are in place, with where the plugin's
 	// time went.
@@ -237,14 +237,14 @@ type addConv struct {
 }
 
 // Decide sends the decision.
-func (a *addConv) Decide(d *wire.Decision, b *nft.Batch) error {
+func (a *addConv) Decide(v *wire.Verdict, b *nft.Batch) error {
 	if a.decided {
 		return errors.New("the ADD was decided already")
 	}
-	a.decided, a.mode = true, d.Mode
-	m := &wire.Message{Kind: wire.KindDecision, Decision: d}
-	if d.Mode != wire.ModeNone {
-		m.Batch = b
+	a.decided, a.mode = true, v.Mode
+	m := &wire.Message{Kind: wire.KindDecision, Decision: v}
+	if v.Mode != wire.ModeNone && b != nil {
+		m.Batch = &b.Batch
 	}
 	if err := a.c.Send(m, nil); err != nil {
 		return fmt.Errorf("plugin went away before the decision: %w", err)

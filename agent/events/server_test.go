@@ -22,6 +22,7 @@ import (
 
 	"github.com/nftcni/nftcni/internal/unixsock"
 	"github.com/nftcni/nftcni/nft"
+	"github.com/nftcni/nftcni/nft/nlsend"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
 
@@ -50,7 +51,7 @@ func TestMain(m *testing.M) {
 // fake is a Handler that records what reached it.
 type fake struct {
 	mu        sync.Mutex
-	decision  *wire.Decision
+	decision  *wire.Verdict
 	decideErr error
 	// outcomes are what plugin.Decide returned, one per enrolled ADD.
 	outcomes []error
@@ -60,7 +61,7 @@ type fake struct {
 	gc       [][]wire.Attachment
 }
 
-var testBatch = &nft.Batch{Tables: []byte("batch")}
+var testBatch = &nft.Batch{Batch: nlsend.Batch{Tables: []byte("batch")}}
 
 func (f *fake) Add(_ context.Context, _ *wire.Pod, _ *os.File, plugin Plugin) error {
 	if f.decideErr != nil {
@@ -241,7 +242,7 @@ func TestNonRootPeerRefused(t *testing.T) {
 // Hostile or broken clients get a clean error or a closed connection; the
 // server keeps serving and keeps no descriptor.
 func TestBadClients(t *testing.T) {
-	f := &fake{decision: &wire.Decision{Mode: wire.ModeAmbient, Ambient: &nft.AmbientSpec{}}}
+	f := &fake{decision: &wire.Verdict{Mode: wire.ModeAmbient}}
 	hs := serve(t, f, "")
 	before := fdCount(t)
 	netns, err := os.Open("/proc/self/ns/net")
@@ -345,7 +346,7 @@ func waitUntil(t *testing.T, cond func() bool) {
 // the plugin's log records riding its outcome and re-emitted in the
 // agent's log at their level.
 func TestAddConversationAndLogs(t *testing.T) {
-	f := &fake{decision: &wire.Decision{Mode: wire.ModeAmbient, Ambient: &nft.AmbientSpec{}}}
+	f := &fake{decision: &wire.Verdict{Mode: wire.ModeAmbient}}
 	hs := serve(t, f, "")
 	netns, _ := os.Open("/proc/self/ns/net")
 	defer netns.Close()
@@ -381,7 +382,7 @@ func TestAddConversationAndLogs(t *testing.T) {
 
 // A pod outside the mesh gets its decision and nothing after it.
 func TestAddOutsideTheMeshEndsWithTheDecision(t *testing.T) {
-	f := &fake{decision: &wire.Decision{Mode: wire.ModeNone, Reason: "no selector"}}
+	f := &fake{decision: &wire.Verdict{Mode: wire.ModeNone, Reason: "no selector"}}
 	hs := serve(t, f, "")
 	netns, _ := os.Open("/proc/self/ns/net")
 	defer netns.Close()
@@ -401,7 +402,7 @@ func TestAddOutsideTheMeshEndsWithTheDecision(t *testing.T) {
 // A failure after the plugin programmed its rules (ztunnel refused the
 // pod) is the answer to the outcome.
 func TestFailureAfterTheOutcomeFailsTheAdd(t *testing.T) {
-	f := &fake{decision: &wire.Decision{Mode: wire.ModeAmbient, Ambient: &nft.AmbientSpec{}},
+	f := &fake{decision: &wire.Verdict{Mode: wire.ModeAmbient},
 		afterErr: errors.New("ztunnel refused: cannot enter netns")}
 	hs := serve(t, f, "")
 	netns, _ := os.Open("/proc/self/ns/net")

@@ -15,6 +15,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/nftcni/nftcni/agent/enablement"
 	"github.com/nftcni/nftcni/agent/records"
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
@@ -67,7 +68,7 @@ func (i *Inspector) Target(out io.Writer, target string) error {
 func (i *Inspector) pod(out io.Writer, r records.Record) error {
 	d := r.Decision
 	if d == nil {
-		d = &wire.Decision{Mode: wire.ModeNone}
+		d = &enablement.Decision{Mode: wire.ModeNone}
 	}
 	fmt.Fprintf(out, "pod %s (uid %s, sandbox %s, %s)\n", r.Pod.Key(), r.UID, short(r.Pod.ContainerID), r.Pod.IfName)
 	fmt.Fprintf(out, "  netns:     %s\n", r.Pod.Netns)

@@ -15,6 +15,7 @@ import (
 	"os"
 	"path/filepath"
 
+	"github.com/nftcni/nftcni/agent/enablement"
 	"github.com/nftcni/nftcni/internal/atomicfile"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
@@ -27,7 +28,7 @@ type Record struct {
 	Pod wire.Pod `json:"pod"`
 	UID string   `json:"uid"`
 	// Decision is what the pod got; mode none: known, not enrolled.
-	Decision *wire.Decision `json:"decision"`
+	Decision *enablement.Decision `json:"decision"`
 	// NetnsDev and NetnsIno identify the netns Pod.Netns named when the pod
 	// was recorded, so a restarted agent tells the pod's netns from a
 	// reused path by one stat instead of entering each netns.

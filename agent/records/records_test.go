@@ -6,13 +6,14 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/nftcni/nftcni/agent/enablement"
 	"github.com/nftcni/nftcni/internal/atomicfile"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
 
 func rec(id string, mode wire.Mode) *Record {
 	return &Record{Pod: wire.Pod{Namespace: "ns", Name: id, Attachment: wire.Attachment{ContainerID: "c-" + id, IfName: "eth0"}},
-		UID: "uid-" + id, Decision: &wire.Decision{Mode: mode}, NetnsDev: 4, NetnsIno: 4026532000}
+		UID: "uid-" + id, Decision: &enablement.Decision{Mode: mode}, NetnsDev: 4, NetnsIno: 4026532000}
 }
 
 func TestSaveReplaceDropLoad(t *testing.T) {

@@ -9,7 +9,7 @@ import (
 
 	"github.com/tidwall/gjson"
 
-	"github.com/nftcni/nftcni/nft"
+	"github.com/nftcni/nftcni/nft/nlsend"
 )
 
 // The plugin's ADD path writes and reads its messages with gjson instead
@@ -100,7 +100,7 @@ type Reply struct {
 	Mode   Mode
 	Reason string
 	// Batch: decision, for an enrolled pod.
-	Batch *nft.Batch
+	Batch *nlsend.Batch
 }
 
 // ParseReply reads a decision, done or error message, refusing what Decode
@@ -147,7 +147,7 @@ func ParseReply(b []byte) (*Reply, error) {
 		}
 		return base64.StdEncoding.DecodeString(v.Str)
 	}
-	r.Batch = &nft.Batch{}
+	r.Batch = &nlsend.Batch{}
 	var err error
 	if r.Batch.Tables, err = bytes("tables"); err != nil {
 		return nil, err

@@ -7,7 +7,7 @@ import (
 	"reflect"
 	"testing"
 
-	"github.com/nftcni/nftcni/nft"
+	"github.com/nftcni/nftcni/nft/nlsend"
 )
 
 // The plugin's gjson codec and the agent's encoding/json one read and
@@ -53,11 +53,11 @@ func TestAppendOutcomeDecodes(t *testing.T) {
 }
 
 func TestParseReplyAgreesWithDecode(t *testing.T) {
-	batch := &nft.Batch{Tables: []byte{1, 2, 3, 0xff}, Replace: []byte{4}, Routes: []byte{5}}
+	batch := &nlsend.Batch{Tables: []byte{1, 2, 3, 0xff}, Replace: []byte{4}, Routes: []byte{5}}
 	for _, m := range []*Message{
-		{Kind: KindDecision, Decision: &Decision{Mode: ModeNone, Reason: "no selector matches"}},
-		{Kind: KindDecision, Decision: &Decision{Mode: ModeAmbient, Reason: "r", Ambient: &nft.AmbientSpec{DNSCapture: true}}, Batch: batch},
-		{Kind: KindDecision, Decision: &Decision{Mode: ModeSidecar}, Batch: &nft.Batch{Tables: []byte{9}}},
+		{Kind: KindDecision, Decision: &Verdict{Mode: ModeNone, Reason: "no selector matches"}},
+		{Kind: KindDecision, Decision: &Verdict{Mode: ModeAmbient, Reason: "r"}, Batch: batch},
+		{Kind: KindDecision, Decision: &Verdict{Mode: ModeSidecar}, Batch: &nlsend.Batch{Tables: []byte{9}}},
 		{Kind: KindDone},
 		{Kind: KindError, Error: "pod x is not in the agent's cache"},
 	} {

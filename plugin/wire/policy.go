@@ -7,6 +7,8 @@ import (
 	"os"
 	"slices"
 	"time"
+
+	"github.com/nftcni/nftcni/nft/nlsend"
 )
 
 // Policy is the snapshot of enrolment policy the agent keeps in
@@ -29,6 +31,10 @@ type Policy struct {
 	Pods map[string]Mode `json:"pods,omitempty"`
 	// Selectors is the enablement selector list, for people reading the file.
 	Selectors json.RawMessage `json:"selectors,omitempty"`
+	// Cleanup removes whatever pod ruleset of ours a netns holds, either
+	// kind: the plugin's DEL sends it as it is, so the plugin never links
+	// the encoders (package nlsend).
+	Cleanup *nlsend.Removal `json:"cleanup,omitempty"`
 }
 
 // Fallback is what the plugin does for pod key in namespace ns when the

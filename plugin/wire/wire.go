@@ -32,7 +32,7 @@ import (
 	"net/netip"
 	"time"
 
-	"github.com/nftcni/nftcni/nft"
+	"github.com/nftcni/nftcni/nft/nlsend"
 )
 
 // File names under the agent's run dir (cni_agent_run_dir).
@@ -80,10 +80,10 @@ type Message struct {
 	// Pod: add, del, check.
 	Pod *Pod `json:"pod,omitempty"`
 	// Decision: decision.
-	Decision *Decision `json:"decision,omitempty"`
+	Decision *Verdict `json:"decision,omitempty"`
 	// Batch: decision, for an enrolled pod: its ruleset as the kernel
 	// takes it, for the plugin to write into the pod's netns as it is.
-	Batch *nft.Batch `json:"batch,omitempty"`
+	Batch *nlsend.Batch `json:"batch,omitempty"`
 	// Error: outcome (empty = rules in place) and error.
 	Error string `json:"error,omitempty"`
 	// Valid: gc, the attachments the runtime still has.
@@ -148,43 +148,13 @@ func HasIPv6(ips []netip.Prefix) bool {
 	return false
 }
 
-// Decision is what the pod gets.
-type Decision struct {
+// Verdict is the agent's decision as the plugin gets it: the mode and why.
+// What the ruleset is made of stays in the agent; the plugin gets it
+// encoded (Message.Batch).
+type Verdict struct {
 	Mode Mode `json:"mode"`
 	// Reason is a short human explanation, logged by both sides.
-	Reason  string           `json:"reason,omitempty"`
-	Ambient *nft.AmbientSpec `json:"ambient,omitempty"`
-	Sidecar *SidecarDecision `json:"sidecar,omitempty"`
-}
-
-// SidecarDecision carries the inputs of a sidecar ruleset: the plugin
-// parses annotations itself, whether they came from the runtime or here.
-type SidecarDecision struct {
-	Annotations map[string]string `json:"annotations"`
-	Proxy       nft.SidecarProxy  `json:"proxy"`
-}
-
-// Ruleset builds the pod's ruleset for a decision; nil for ModeNone.
-func (d *Decision) Ruleset() (*nft.Ruleset, error) {
-	switch d.Mode {
-	case ModeNone:
-		return nil, nil
-	case ModeAmbient:
-		if d.Ambient == nil {
-			return nil, errors.New("ambient decision without a spec")
-		}
-		return nft.Ambient(*d.Ambient), nil
-	case ModeSidecar:
-		if d.Sidecar == nil {
-			return nil, errors.New("sidecar decision without annotations")
-		}
-		spec, err := nft.ParseSidecar(d.Sidecar.Annotations, d.Sidecar.Proxy)
-		if err != nil {
-			return nil, err
-		}
-		return nft.Sidecar(spec), nil
-	}
-	return nil, fmt.Errorf("unknown mode %q", d.Mode)
+	Reason string `json:"reason,omitempty"`
 }
 
 // Encode marshals m, refusing what the peer would refuse.

@@ -1,4 +1,15 @@
-package nft
+// Package nlsend writes netlink batches that were encoded elsewhere into a
+// network namespace: one socket per protocol made inside the netns, one
+// send and one ack per batch, every error the kernel reports returned with
+// its extended-ack text.
+//
+// It imports nothing but golang.org/x/sys/unix on purpose. The CNI plugin
+// is exec'd for every pod sandbox and its start-up follows its page faults
+// and package inits: the encoders (google/nftables, mdlayher/netlink,
+// vishvananda/netlink, all used by package nft, which makes the batches)
+// would cost every exec about 75 page faults before main runs. The plugin
+// links this package and wire, never nft.
+package nlsend
 
 import (
 	"encoding/binary"
@@ -10,33 +21,52 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Program writes b into the netns behind fd: the
-// nf_tables transaction in one send with one ack and, when the table is
-// already there, once more as an atomic replace; then the policy routes in
-// one send with one ack. This is the whole cost of programming a pod, and
-// it uses nothing but the socket calls, so a freshly exec'd plugin pays
-// for little more than the kernel's own work.
+// Batch is a pod ruleset as the kernel takes it (package nft's Encode
+// makes it): the nf_tables transaction and the policy routes.
+type Batch struct {
+	// Tables is the nf_tables transaction, batch begin to batch end, with
+	// one ack asked of its last message and each table created
+	// exclusively.
+	Tables []byte `json:"tables"`
+	// Replace goes right after the batch begin of Tables when the tables
+	// exist: per table an add (a no-op on an existing one) and a delete.
+	Replace []byte `json:"replace,omitempty"`
+	// Routes are the rtnetlink messages of the ruleset's policy routes.
+	Routes []byte `json:"routes,omitempty"`
+}
+
+// Removal undoes a ruleset: one nf_tables transaction per table, so one
+// already gone cannot stop another's removal, and the route deletions.
+type Removal struct {
+	Tables [][]byte `json:"tables"`
+	Routes []byte   `json:"routes,omitempty"`
+}
+
+// Program writes b into the netns behind fd: the nf_tables transaction in
+// one send with one ack and, when the table is already there (EEXIST),
+// once more as an atomic replace; then the policy routes in one send with
+// one ack. This is the whole cost of programming a pod.
 func Program(fd int, b *Batch) error {
 	var onExists []byte
 	if len(b.Replace) > 0 {
-		onExists = spliceReplace(b.Tables, b.Replace)
+		onExists = SpliceReplace(b.Tables, b.Replace)
 	}
-	return send(fd, b.Tables, onExists, b.Routes)
+	return Send(fd, b.Tables, onExists, b.Routes)
 }
 
-// send writes an nf_tables transaction into the netns behind fd (and, if
+// Send writes an nf_tables transaction into the netns behind fd (and, if
 // that fails with EEXIST and onExists is set, that one instead), then the
 // policy routes: one send and one ack each, on sockets made in the netns.
-func send(fd int, tables, onExists, routes []byte) error {
+func Send(fd int, tables, onExists, routes []byte) error {
 	protos := []int{unix.NETLINK_NETFILTER}
 	if len(routes) > 0 {
 		protos = append(protos, unix.NETLINK_ROUTE)
 	}
-	socks, err := dialIn(fd, protos...)
+	socks, err := Dial(fd, protos...)
 	if err != nil {
 		return err
 	}
-	defer closeAll(socks)
+	defer CloseAll(socks)
 	err = talk(socks[0], tables, nil)
 	if errors.Is(err, unix.EEXIST) && onExists != nil {
 		err = talk(socks[0], onExists, nil)
@@ -52,18 +82,17 @@ func send(fd int, tables, onExists, routes []byte) error {
 	return nil
 }
 
-// Remove deletes what a RemovalBatch names; whatever is already gone is
-// not an error.
-func Remove(fd int, r *RemovalBatch) error {
+// Remove deletes what r names; whatever is already gone is not an error.
+func Remove(fd int, r *Removal) error {
 	protos := []int{unix.NETLINK_NETFILTER}
 	if len(r.Routes) > 0 {
 		protos = append(protos, unix.NETLINK_ROUTE)
 	}
-	socks, err := dialIn(fd, protos...)
+	socks, err := Dial(fd, protos...)
 	if err != nil {
 		return err
 	}
-	defer closeAll(socks)
+	defer CloseAll(socks)
 	var errs []error
 	for _, t := range r.Tables {
 		if err := talk(socks[0], t, gone); err != nil {
@@ -78,8 +107,9 @@ func Remove(fd int, r *RemovalBatch) error {
 	return errors.Join(errs...)
 }
 
-// spliceReplace puts the replace messages right after the batch begin.
-func spliceReplace(tables, replace []byte) []byte {
+// SpliceReplace puts the replace messages right after the batch begin of
+// tables.
+func SpliceReplace(tables, replace []byte) []byte {
 	begin := int(binary.NativeEndian.Uint32(tables))
 	out := make([]byte, 0, len(tables)+len(replace))
 	out = append(out, tables[:begin]...)
@@ -97,27 +127,27 @@ func gone(_ uint16, errno unix.Errno) bool {
 	return errno == unix.ENOENT || errno == unix.ESRCH
 }
 
-// dialIn opens one netlink socket per protocol inside the netns behind fd,
-// entering it once for all of them.
-func dialIn(fd int, protos ...int) ([]int, error) {
+// Dial opens one netlink socket per protocol inside the netns behind fd,
+// entering it once for all of them; CloseAll closes them.
+func Dial(fd int, protos ...int) ([]int, error) {
 	var socks []int
-	err := inNetns(fd, func() error {
+	err := InNetns(fd, func() error {
 		var err error
 		socks, err = openSockets(protos)
 		return err
 	})
 	if err != nil {
-		closeAll(socks)
+		CloseAll(socks)
 		return nil, err
 	}
 	return socks, nil
 }
 
-// inNetns runs f on a thread inside the netns behind fd (sockets made
+// InNetns runs f on a thread inside the netns behind fd (sockets made
 // there stay there; /proc/thread-self shows that netns). The thread is
 // locked for the purpose; if it could not switch back it stays locked, so
 // the Go runtime retires it rather than run other work in the pod's netns.
-func inNetns(fd int, f func() error) error {
+func InNetns(fd int, f func() error) error {
 	done := make(chan error, 1)
 	go func() {
 		runtime.LockOSThread()
@@ -149,7 +179,7 @@ func openSockets(protos []int) ([]int, error) {
 	for _, p := range protos {
 		s, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, p)
 		if err != nil {
-			closeAll(socks)
+			CloseAll(socks)
 			return nil, fmt.Errorf("netlink socket: %w", err)
 		}
 		socks = append(socks, s)
@@ -164,7 +194,7 @@ func openSockets(protos []int) ([]int, error) {
 	return socks, nil
 }
 
-func closeAll(socks []int) {
+func CloseAll(socks []int) {
 	for _, s := range socks {
 		unix.Close(s)
 	}
