@@ -14,7 +14,7 @@ go test -run '^$' -bench 'Apply1000Concurrent' -benchtime 3x -count=1 ./nft | te
 # The agent's own steps of an enrolment (probe set entry, record).
 go test -run '^$' -bench 'Completion' -benchtime 500x -count=1 ./agent/enrol | tee -a "$out"
 # CNI ADD through libcni with the reference plugins: what nftcni adds.
-go test -run '^$' -bench 'CNIAdd' -benchtime 200x -count=1 ./integration | tee -a "$out"
+go test -run '^$' -bench '^BenchmarkCNIAdd$' -benchtime 200x -count=1 ./integration | tee -a "$out"
 # Istio's own CNI (install-cni + istio-cni from the module proxy, make
 # istio-bins) through the same libcni harness, both of its backends.
 go test -run '^$' -bench 'IstioCNIAdd' -benchtime 60x -count=1 -timeout 30m ./integration | tee -a "$out"
@@ -106,6 +106,10 @@ for gen in containerd-1.6 containerd-2; do
 	printf "    %-34s %6.2f / %6.2f\n" "+ nftcni, enrolled (ambient)" "$(cm enrolled-ms-median)" "$(cm enrolled-ms-p90)"
 	printf "    %-34s %6.2f (no-op plugin: %.2f)\n" "added by nftcni, enrolled" "$(cm added-enrolled-ms-median)" "$(cm added-tuning-ms-median)"
 	awk -v a="$(cm enrolled-ms-median)" -v b="$(cm tuning-ms-median)" 'BEGIN {printf "    %-34s %6.2fx\n", "enrolled / + tuning", a/b}'
+	for v in enrolled plain; do
+		printf "    %-34s %6.2fx (90%% of resamples: %.2f-%.2fx)\n" "added: $v / tuning, paired by round" \
+			"$(cm $v-vs-tuning-added-x)" "$(cm $v-vs-tuning-added-x-p5)" "$(cm $v-vs-tuning-added-x-p95)"
+	done
 	printf "    %-34s agent %s ms; plugin: decision at %s ms, rules in at %s ms from its start\n" "inside nftcni, enrolled (medians)" \
 		"$(cm enrolled-agent-ms-median)" "$(cm enrolled-plugin-decided-ms-median)" "$(cm enrolled-plugin-programmed-ms-median)"
 done

@@ -3,6 +3,7 @@ package integration
 import (
 	"context"
 	"fmt"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"slices"
@@ -172,6 +173,44 @@ func reportQuantiles(b *testing.B, order []string, samples map[string][]time.Dur
 	return q
 }
 
+// addedRatio compares what two variants add over base, round by round: the
+// median over rounds of (v − base) divided by that of (ref − base), with
+// the 5th and 95th percentiles of the same ratio over bootstrap resamples
+// of the rounds (a round keeps its variants together, so slow drift on the
+// machine cancels). Sandbox starts here vary by ±10 ms around 50–200 ms,
+// so an "added" of a few ms needs its interval beside it.
+func addedRatio(samples map[string][]time.Duration, v, ref, base string) (ratio, lo, hi float64) {
+	n := min(len(samples[v]), len(samples[ref]), len(samples[base]))
+	median := func(xs []float64) float64 {
+		s := slices.Clone(xs)
+		slices.Sort(s)
+		return s[len(s)/2]
+	}
+	of := func(rounds []int) float64 {
+		dv, dr := make([]float64, len(rounds)), make([]float64, len(rounds))
+		for i, r := range rounds {
+			dv[i] = float64(samples[v][r] - samples[base][r])
+			dr[i] = float64(samples[ref][r] - samples[base][r])
+		}
+		return median(dv) / median(dr)
+	}
+	all := make([]int, n)
+	for i := range all {
+		all[i] = i
+	}
+	rng := rand.New(rand.NewPCG(1, 2)) // the same resamples every run
+	boot := make([]float64, 1000)
+	for i := range boot {
+		rounds := make([]int, n)
+		for j := range rounds {
+			rounds[j] = rng.IntN(n)
+		}
+		boot[i] = of(rounds)
+	}
+	slices.Sort(boot)
+	return of(all), boot[len(boot)*5/100], boot[len(boot)*95/100]
+}
+
 // BenchmarkRunPodSandbox measures what nftcni adds to a pod's start through
 // a real runtime: CRI RunPodSandbox on containerd (1.6 and 2.x), the call
 // kubelet makes, which creates the netns, runs the CNI chain and starts
@@ -180,7 +219,8 @@ func reportQuantiles(b *testing.B, order []string, samples map[string][]time.Dur
 // (any chained plugin's cost), and bridge + nftcni with the agent, where
 // pods outside the mesh and enrolled pods alternate. Rounds interleave
 // the variants; stop and remove happen outside the timed call. Reported:
-// median and p90 in ms, and what nftcni adds over bridge alone.
+// median and p90 in ms, what nftcni adds over bridge alone, and that
+// against what tuning adds, paired by round with its bootstrap interval.
 func BenchmarkRunPodSandbox(b *testing.B) {
 	for i, gen := range containerdtest.Generations(b) {
 		b.Run(gen.Name, func(b *testing.B) {
@@ -218,6 +258,12 @@ func BenchmarkRunPodSandbox(b *testing.B) {
 			b.ReportMetric(q("enrolled", 0.5)-q("primary", 0.5), "added-enrolled-ms-median")
 			b.ReportMetric(q("plain", 0.5)-q("primary", 0.5), "added-plain-ms-median")
 			b.ReportMetric(q("tuning", 0.5)-q("primary", 0.5), "added-tuning-ms-median")
+			for _, v := range []string{"enrolled", "plain"} {
+				r, lo, hi := addedRatio(samples, v, "tuning", "primary")
+				b.ReportMetric(r, v+"-vs-tuning-added-x")
+				b.ReportMetric(lo, v+"-vs-tuning-added-x-p5")
+				b.ReportMetric(hi, v+"-vs-tuning-added-x-p95")
+			}
 			reportEnrolTimings(b, nodes["nftcni"].alog.String())
 			b.ReportMetric(q("enrolled", 0.5)*1e6, "ns/op")
 		})
