@@ -243,9 +243,14 @@ func testHandover(t *testing.T, kube *kubetest.Server, subnet, count int, nftabl
 	if got := nftRuleset(t, h.pods[0]); got != refusedBefore {
 		t.Errorf("the refused pod's rules changed:\n%s\nwas:\n%s", got, refusedBefore)
 	}
+	// inspect reports it by name too (no record: the agent answers).
+	in := &inspect.Inspector{RunDir: run, HostNetns: h.n.node.Path, IPv6: true}
+	var refused strings.Builder
+	if err := in.Target(&refused, meshNS+"/"+h.names[0]); err != nil || !strings.Contains(refused.String(), "istio-cni's rules left in place") {
+		t.Errorf("inspect of the refused pod %s: %v\n%s", h.names[0], err, refused.String())
+	}
 
 	// Every pod holds exactly nftcni's ruleset, and inspect says so.
-	in := &inspect.Inspector{RunDir: run, HostNetns: h.n.node.Path, IPv6: true}
 	for i, p := range h.pods[1:] {
 		i++
 		ruleset := nftRuleset(t, p)

@@ -512,7 +512,7 @@ func TestLateEnrolmentAndUnenrolment(t *testing.T) {
 	if got := r.members(); len(got) != 0 {
 		t.Errorf("members %v", got)
 	}
-	in := r.e.Inspect("uid-a")
+	in := r.e.Inspect(&wire.Pod{UID: "uid-a"})
 	if in.Drift != "" || in.Repairs != 0 {
 		t.Errorf("inspect of an unenrolled pod: %+v", in)
 	}
@@ -616,7 +616,7 @@ func TestVerifyRepairsDrift(t *testing.T) {
 	if got, want := r.dump("a"), r.ambientRules(); got != want {
 		t.Errorf("the pod's netns after the repair:\n%s\nwant:\n%s", got, want)
 	}
-	in := r.e.Inspect("uid-a")
+	in := r.e.Inspect(&wire.Pod{UID: "uid-a"})
 	if in.Repairs != 1 || !strings.Contains(in.Drift, "line ") {
 		t.Errorf("inspect after a repair: %+v", in)
 	}
@@ -724,6 +724,15 @@ func TestHandoverFromIstio(t *testing.T) {
 	}
 	if got := r.members(); !slices.Equal(got, []string{"mesh/a ambient uid-a"}) {
 		t.Errorf("members %v", got)
+	}
+	// inspect has no record of it, and asks the agent by name.
+	in := r.e.Inspect(&wire.Pod{Namespace: "mesh", Name: "b"})
+	if in.Pod == nil || in.Pod.UID != "uid-b" || !strings.Contains(in.Enrolment, "istio-cni's rules left in place") ||
+		!strings.Contains(in.Enrolment, "table ip filter") {
+		t.Errorf("inspect of the refused pod: %+v (pod %+v)", in, in.Pod)
+	}
+	if in := r.e.Inspect(&wire.Pod{Namespace: "mesh", Name: "nosuch"}); in.Pod != nil {
+		t.Errorf("inspect of an unknown pod found %+v", in.Pod)
 	}
 }
 

@@ -212,17 +212,24 @@ func (e *Enroller) GC(ctx context.Context, valid []wire.Attachment) error {
 func (e *Enroller) Ready() error { return nil }
 
 // Inspect says what the agent knows of a pod.
-func (e *Enroller) Inspect(uid string) *wire.Inspect {
-	in := &wire.Inspect{ZDS: "no ztunnel configured (--ztunnel-socket none)"}
-	if e.opts.Ztunnel != nil {
-		in.ZDS = e.opts.Ztunnel.State(uid)
-	}
+func (e *Enroller) Inspect(q *wire.Pod) *wire.Inspect {
+	in := &wire.Inspect{}
+	uid := q.UID
 	for _, p := range e.snapshot() {
 		p.mu.Lock()
-		if p.uid == uid && !p.gone && p.enrolled() {
+		if !p.gone && uid == "" && in.Pod == nil && p.id.Key() == q.Key() {
+			// Asked by name: a pod the agent tracks without a record.
+			id := p.id
+			in.Pod, in.Enrolment, uid = &id, fmt.Sprintf("%s (%s)", p.d.Mode, p.d.Reason), p.uid
+		}
+		if !p.gone && uid != "" && p.uid == uid && p.enrolled() {
 			in.Verified, in.Drift, in.Repairs = p.verify.at, p.verify.drift, p.verify.repairs
 		}
 		p.mu.Unlock()
+	}
+	in.ZDS = "no ztunnel configured (--ztunnel-socket none)"
+	if e.opts.Ztunnel != nil {
+		in.ZDS = e.opts.Ztunnel.State(uid)
 	}
 	return in
 }

@@ -111,7 +111,9 @@ func (e *Enroller) enrolByAgent(ctx context.Context, p *pod, d *enablement.Decis
 	}
 	st, err := e.rules.Survey(p.fd())
 	if err == nil {
-		err = st.Refused()
+		if err = st.Refused(); err != nil {
+			p.d = none(refusedHandover(err))
+		}
 	}
 	if err != nil {
 		return fmt.Errorf("enrolling pod %s: %w", p.id.Key(), err)

@@ -244,6 +244,9 @@ func (e *Enroller) adoptOne(ctx context.Context, kp *corev1.Pod) adoptOutcome {
 			// istio-cni's rules with someone else's: left exactly as they
 			// are, and ztunnel keeps the workload it is serving.
 			e.metrics.Handovers.WithLabelValues("refused").Inc()
+			p.mu.Lock()
+			p.d = none(refusedHandover(aerr))
+			p.mu.Unlock()
 			e.log.Error("not taking a pod over from istio-cni: its netns holds rules of someone else beside Istio's; left as it is (drain the node to move it)",
 				"pod", key, "uid", kp.UID, "err", aerr)
 			e.keepInZtunnel(kp)
@@ -265,6 +268,12 @@ func (e *Enroller) adoptOne(ctx context.Context, kp *corev1.Pod) adoptOutcome {
 		return outcomeNone
 	}
 	return outcomeCleared
+}
+
+// refusedHandover is the reason a pod keeps istio-cni's rules, as inspect
+// shows it.
+func refusedHandover(err error) string {
+	return "istio-cni's rules left in place, not taken over: " + err.Error()
 }
 
 // keepInZtunnel keeps a pod in ztunnel's snapshot without a netns (ZDS

@@ -43,8 +43,9 @@ type Handler interface {
 	// Check verifies the ruleset in the netns behind netns against what
 	// the pod should have (CHECK).
 	Check(ctx context.Context, pod *wire.Pod, netns *os.File) error
-	// Inspect says what the agent knows of the pod with uid.
-	Inspect(uid string) *wire.Inspect
+	// Inspect says what the agent knows of the pod with pod.UID or, when
+	// that is empty, of the pod named pod.Namespace/pod.Name.
+	Inspect(pod *wire.Pod) *wire.Inspect
 	// GC releases what is held for attachments not in valid.
 	GC(ctx context.Context, valid []wire.Attachment) error
 	// Ready is nil when ADDs can be served (STATUS).
@@ -191,8 +192,8 @@ func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 		err = s.h.Ready()
 	case wire.KindGC:
 		err = s.h.GC(ctx, m.Valid)
-	case wire.KindInspect: // Decode made sure it names a pod UID
-		reply = &wire.Message{Kind: wire.KindDone, Inspect: s.h.Inspect(m.Pod.UID)}
+	case wire.KindInspect: // Decode made sure it names a pod
+		reply = &wire.Message{Kind: wire.KindDone, Inspect: s.h.Inspect(m.Pod)}
 	default:
 		err = fmt.Errorf("a conversation cannot start with %s", m.Kind)
 	}

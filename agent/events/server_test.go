@@ -101,7 +101,7 @@ func (f *fake) seenOutcomes() []error {
 	return append([]error(nil), f.outcomes...)
 }
 
-func (f *fake) Inspect(uid string) *wire.Inspect { return &wire.Inspect{ZDS: "zds state of " + uid} }
+func (f *fake) Inspect(p *wire.Pod) *wire.Inspect { return &wire.Inspect{ZDS: "zds state of " + p.UID} }
 
 type harness struct {
 	path    string

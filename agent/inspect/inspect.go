@@ -54,6 +54,11 @@ func (i *Inspector) Target(out io.Writer, target string) error {
 		if strings.HasPrefix(target, "/") {
 			return i.unknownNetns(out, target)
 		}
+		if ns, name, ok := strings.Cut(target, "/"); ok {
+			if in := i.ask(&wire.Pod{Namespace: ns, Name: name}); in.Pod != nil {
+				return i.unrecorded(out, in)
+			}
+		}
 		return fmt.Errorf("the agent has no record of pod %s in %s: it was not started through nftcni on this node, or it is gone (a sidecar pod programmed from runtime annotations is never recorded: inspect it by its netns path)",
 			target, filepath.Join(i.RunDir, records.DirName))
 	}
@@ -74,7 +79,7 @@ func (i *Inspector) pod(out io.Writer, r records.Record) error {
 	fmt.Fprintf(out, "  netns:     %s\n", r.Pod.Netns)
 	fmt.Fprintf(out, "  IPs:       %s\n", prefixes(r.Pod.IPs))
 	fmt.Fprintf(out, "  enrolment: %s\n", withReason(string(d.Mode), d.Reason))
-	ag := i.ask(r.UID)
+	ag := i.ask(&wire.Pod{UID: r.UID})
 	fmt.Fprintf(out, "  ztunnel:   %s\n", ag.ZDS)
 	if d.Mode != wire.ModeNone {
 		fmt.Fprintf(out, "  verified:  %s\n", verified(ag))
@@ -90,6 +95,34 @@ func (i *Inspector) pod(out io.Writer, r records.Record) error {
 	}
 	defer unix.Close(fd)
 	return check(out, fd, nft.PodTable, want)
+}
+
+// unrecorded prints a pod the running agent tracks without a record: one
+// found through /proc that it did not enrol (istio-cni's rules with
+// someone else's beside them, left as they were, say).
+func (i *Inspector) unrecorded(out io.Writer, in *wire.Inspect) error {
+	p := in.Pod
+	fmt.Fprintf(out, "pod %s (uid %s, no record: known to the running agent only)\n", p.Key(), p.UID)
+	fmt.Fprintf(out, "  netns:     %s\n", p.Netns)
+	fmt.Fprintf(out, "  IPs:       %s\n", prefixes(p.IPs))
+	fmt.Fprintf(out, "  enrolment: %s\n", in.Enrolment)
+	fmt.Fprintf(out, "  ztunnel:   %s\n", in.ZDS)
+	fd, err := unix.Open(p.Netns, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		fmt.Fprintf(out, "  ruleset:   cannot look: %v\n", err)
+		return nil
+	}
+	defer unix.Close(fd)
+	live, err := nft.Live(fd, nft.PodTable, nil)
+	switch {
+	case err != nil:
+		return err
+	case live == "":
+		fmt.Fprintf(out, "  ruleset:   no table inet %s\n", nft.PodTable)
+	default:
+		fmt.Fprintf(out, "  ruleset:   present, not compared (no recorded decision)\n%s", live)
+	}
+	return nil
 }
 
 // unknownNetns prints the ruleset of a netns the agent has no record of.
@@ -173,7 +206,7 @@ func check(out io.Writer, fd int, table string, want *nft.Ruleset) error {
 }
 
 // ask asks the running agent what it knows of the pod beyond its record.
-func (i *Inspector) ask(uid string) *wire.Inspect {
+func (i *Inspector) ask(pod *wire.Pod) *wire.Inspect {
 	sock := filepath.Join(i.RunDir, wire.SocketName)
 	unknown := func(why string) *wire.Inspect { return &wire.Inspect{ZDS: "unknown: " + why} }
 	c, err := wire.Dial(sock, time.Second)
@@ -182,7 +215,7 @@ func (i *Inspector) ask(uid string) *wire.Inspect {
 	}
 	defer c.Close()
 	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
-	if err := c.Send(&wire.Message{Kind: wire.KindInspect, Pod: &wire.Pod{UID: uid}}, nil); err != nil {
+	if err := c.Send(&wire.Message{Kind: wire.KindInspect, Pod: pod}, nil); err != nil {
 		return unknown(err.Error())
 	}
 	m, fd, err := c.Recv()

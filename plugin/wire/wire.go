@@ -59,7 +59,8 @@ const (
 	KindGC       Kind = "gc"
 	KindLog      Kind = "log"
 	KindError    Kind = "error"
-	// KindInspect asks the agent about a pod (Pod.UID) for an operator's
+	// KindInspect asks the agent about a pod (Pod.UID, or Pod.Namespace and
+	// Pod.Name for a pod the inspector has no record of) for an operator's
 	// inspect command; the answer is done with Inspect set.
 	KindInspect Kind = "inspect"
 )
@@ -112,6 +113,11 @@ type Inspect struct {
 	Drift    string    `json:"drift,omitempty"`
 	// Repairs counts the times the agent put the ruleset back.
 	Repairs int `json:"repairs,omitempty"`
+	// Pod and Enrolment answer an inspect by namespace and name: the pod
+	// as the agent tracks it without a record (a pod found through /proc
+	// whose istio-cni rules it left in place, say) and its mode with why.
+	Pod       *Pod   `json:"pod,omitempty"`
+	Enrolment string `json:"enrolment,omitempty"`
 }
 
 // Attachment is what CNI identifies a pod's network attachment by.
@@ -205,8 +211,8 @@ func Decode(b []byte) (*Message, error) {
 			return nil, fmt.Errorf("decision message: unknown mode %q", m.Decision.Mode)
 		}
 	case KindInspect:
-		if m.Pod == nil || m.Pod.UID == "" {
-			return nil, errors.New("inspect message: needs a pod UID")
+		if m.Pod == nil || (m.Pod.UID == "" && (m.Pod.Namespace == "" || m.Pod.Name == "")) {
+			return nil, errors.New("inspect message: needs a pod UID, or its namespace and name")
 		}
 	case KindOutcome, KindDone, KindStatus, KindGC, KindLog, KindError:
 	default:

@@ -50,12 +50,18 @@ func TestDecodeRefuses(t *testing.T) {
 		`{"kind":"decision"}`:                    "without a decision",
 		`{"kind":"decision","decision":{"mode":"x"}}`:       "unknown mode",
 		`{"kind":"decision","decision":{"mode":"ambient"}}`: "without a batch",
-		`{"kind":"nope"}`:                     "unknown message kind",
-		`{"kind":"status"} {"kind":"status"}`: "trailing data",
-		`{"kind":"status","valid":"x"}`:       "decoding message",
+		`{"kind":"nope"}`:                            "unknown message kind",
+		`{"kind":"status"} {"kind":"status"}`:        "trailing data",
+		`{"kind":"status","valid":"x"}`:              "decoding message",
+		`{"kind":"inspect","pod":{"namespace":"n"}}`: "needs a pod UID, or its namespace and name",
 	} {
 		if _, err := Decode([]byte(in)); err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("Decode(%q) = %v, want %q", in, err, want)
+		}
+	}
+	for _, ok := range []string{`{"kind":"inspect","pod":{"uid":"u"}}`, `{"kind":"inspect","pod":{"namespace":"n","name":"p"}}`} {
+		if _, err := Decode([]byte(ok)); err != nil {
+			t.Errorf("Decode(%q) = %v", ok, err)
 		}
 	}
 	if _, err := Encode(&Message{Kind: KindLog, Logs: []json.RawMessage{json.RawMessage(`"` + strings.Repeat("x", MaxMessage) + `"`)}}); err == nil {
