@@ -215,13 +215,18 @@ func (e *Enroller) Ready() error { return nil }
 func (e *Enroller) Inspect(q *wire.Pod) *wire.Inspect {
 	in := &wire.Inspect{}
 	uid := q.UID
+	if uid == "" { // asked by name: a pod the agent tracks without a record
+		for _, p := range e.snapshot() {
+			p.mu.Lock()
+			if !p.gone && in.Pod == nil && p.id.Key() == q.Key() {
+				id := p.id
+				in.Pod, in.Enrolment, uid = &id, fmt.Sprintf("%s (%s)", p.d.Mode, p.d.Reason), p.uid
+			}
+			p.mu.Unlock()
+		}
+	}
 	for _, p := range e.snapshot() {
 		p.mu.Lock()
-		if !p.gone && uid == "" && in.Pod == nil && p.id.Key() == q.Key() {
-			// Asked by name: a pod the agent tracks without a record.
-			id := p.id
-			in.Pod, in.Enrolment, uid = &id, fmt.Sprintf("%s (%s)", p.d.Mode, p.d.Reason), p.uid
-		}
 		if !p.gone && uid != "" && p.uid == uid && p.enrolled() {
 			in.Verified, in.Drift, in.Repairs = p.verify.at, p.verify.drift, p.verify.repairs
 		}

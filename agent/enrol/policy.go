@@ -15,7 +15,9 @@ func (e *Enroller) Policy() *wire.Policy {
 	cfg := e.policy.Config()
 	p := &wire.Policy{Generated: time.Now().UTC(), ExcludeNamespaces: cfg.ExcludeNamespaces,
 		EnrolledNamespaces: []string{}, Pods: map[string]wire.Mode{}}
-	if c, err := podCleanup(); err == nil { // encoding a constant: fails only in a broken build
+	if c, err := podCleanup(); err != nil {
+		e.log.Error("cannot encode the pod cleanup for the policy snapshot; the plugin's DEL leaves rules to go with the netns", "err", err)
+	} else {
 		p.Cleanup = c
 	}
 	nss := map[string]*corev1.Namespace{}

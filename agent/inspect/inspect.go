@@ -113,16 +113,7 @@ func (i *Inspector) unrecorded(out io.Writer, in *wire.Inspect) error {
 		return nil
 	}
 	defer unix.Close(fd)
-	live, err := nft.Live(fd, nft.PodTable, nil)
-	switch {
-	case err != nil:
-		return err
-	case live == "":
-		fmt.Fprintf(out, "  ruleset:   no table inet %s\n", nft.PodTable)
-	default:
-		fmt.Fprintf(out, "  ruleset:   present, not compared (no recorded decision)\n%s", live)
-	}
-	return nil
+	return uncompared(out, fd)
 }
 
 // unknownNetns prints the ruleset of a netns the agent has no record of.
@@ -134,6 +125,12 @@ func (i *Inspector) unknownNetns(out io.Writer, path string) error {
 	defer unix.Close(fd)
 	fmt.Fprintf(out, "netns %s\n  enrolment: no record in %s (not seen by the agent; sidecar pods programmed from runtime annotations are not recorded)\n",
 		path, filepath.Join(i.RunDir, records.DirName))
+	return uncompared(out, fd)
+}
+
+// uncompared prints our table in the netns behind fd as it is: with no
+// recorded decision there is nothing to compare it with.
+func uncompared(out io.Writer, fd int) error {
 	live, err := nft.Live(fd, nft.PodTable, nil)
 	if err != nil {
 		return err
