@@ -342,11 +342,13 @@ func TestInspectAfterUnenrolmentGivesTheReason(t *testing.T) {
 	}
 }
 
-// An enrolled ADD is two round trips on the plugin socket — add and
-// decision, outcome (carrying the call's logs) and done — and a pod
-// outside the mesh one, followed by its debug records one way (the
-// conflist here logs at debug); counted by a relay between the plugin and
-// the agent.
+// An enrolled ADD is two round trips on the plugin socket — add (with the
+// pod's netns) and decision (with the pod's two netlink sockets), outcome
+// (carrying the call's logs) and done — and a pod outside the mesh one,
+// followed by its debug records one way (the conflist here logs at debug);
+// counted by a relay between the plugin and the agent. A decision that
+// comes without sockets (an older agent; the relay drops them) still gets
+// the pod its rules: the plugin makes its own.
 func TestADDRoundTrips(t *testing.T) {
 	n := newCNINode(t, 87)
 	n.startAgent()
@@ -354,19 +356,25 @@ func TestADDRoundTrips(t *testing.T) {
 	full := n.listVia(relay.dir)
 	for _, tc := range []struct {
 		namespace, name string
+		strip           bool
 		want            []string
 	}{
-		{meshNS, "app", []string{"add", "decision", "outcome", "done"}},
-		{plainNS, "web", []string{"add", "decision", "log"}},
+		{meshNS, "app", false, []string{"add+1", "decision+2", "outcome", "done"}},
+		{plainNS, "web", false, []string{"add+1", "decision", "log"}},
+		{meshNS, "old", true, []string{"add+1", "decision", "outcome", "done"}},
 	} {
 		n.pod(tc.namespace, tc.name, nil)
 		pod := testnet.NewNS(t, "nftpod")
 		before := len(relay.kinds())
+		relay.setStrip(tc.strip)
 		if _, err := n.add(full, runtimeConf(pod, tc.namespace, tc.name, nil)); err != nil {
 			t.Fatal(err)
 		}
 		if got := relay.kinds()[before:]; !slices.Equal(got, tc.want) {
 			t.Errorf("%s/%s: messages %v, want %v", tc.namespace, tc.name, got, tc.want)
+		}
+		if want := tc.namespace == meshNS; hasTable(t, pod) != want {
+			t.Errorf("%s/%s: table inet %s present: %v, want %v", tc.namespace, tc.name, nft.PodTable, !want, want)
 		}
 	}
 }
@@ -409,9 +417,16 @@ func grepLines(s, sub string) string {
 // socket, passes every datagram (and its descriptor) through to the
 // agent's, and counts them each way.
 type relay struct {
-	dir string
-	mu  sync.Mutex
-	seq []string // message kinds, in the order they passed
+	dir   string
+	mu    sync.Mutex
+	seq   []string // message kinds (+N: with N descriptors), in the order they passed
+	strip bool     // drop the descriptors of the agent's answers
+}
+
+func (r *relay) setStrip(strip bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.strip = strip
 }
 
 func newRelay(t *testing.T, agentSock string) *relay {
@@ -433,15 +448,16 @@ func newRelay(t *testing.T, agentSock string) *relay {
 				in.Close()
 				continue
 			}
-			go r.pipe(in, out)
-			go r.pipe(out, in)
+			go r.pipe(in, out, false)
+			go r.pipe(out, in, true)
 		}
 	}()
 	return r
 }
 
-// pipe copies datagrams from src to dst until either closes.
-func (r *relay) pipe(src, dst *net.UnixConn) {
+// pipe copies datagrams from src to dst until either closes; fromAgent
+// says which way that is.
+func (r *relay) pipe(src, dst *net.UnixConn, fromAgent bool) {
 	defer src.Close()
 	defer dst.Close()
 	buf := make([]byte, wire.MaxMessage+1)
@@ -451,22 +467,30 @@ func (r *relay) pipe(src, dst *net.UnixConn) {
 		if err != nil || n == 0 {
 			return
 		}
+		var fds []int
+		if msgs, perr := unix.ParseSocketControlMessage(oob[:oobn]); perr == nil {
+			for i := range msgs {
+				if got, ferr := unix.ParseUnixRights(&msgs[i]); ferr == nil {
+					fds = append(fds, got...)
+				}
+			}
+		}
 		kind := "?"
 		if m, err := wire.Decode(buf[:n]); err == nil {
 			kind = string(m.Kind)
 		}
 		r.mu.Lock()
+		pass := oob[:oobn]
+		if fromAgent && r.strip {
+			pass = nil
+		} else if len(fds) > 0 {
+			kind += fmt.Sprintf("+%d", len(fds))
+		}
 		r.seq = append(r.seq, kind)
 		r.mu.Unlock()
-		_, _, err = dst.WriteMsgUnix(buf[:n], oob[:oobn], nil)
-		if msgs, perr := unix.ParseSocketControlMessage(oob[:oobn]); perr == nil {
-			for i := range msgs {
-				if fds, ferr := unix.ParseUnixRights(&msgs[i]); ferr == nil {
-					for _, fd := range fds {
-						unix.Close(fd) // passed on: the relay keeps none
-					}
-				}
-			}
+		_, _, err = dst.WriteMsgUnix(buf[:n], pass, nil)
+		for _, fd := range fds {
+			unix.Close(fd) // passed on: the relay keeps none
 		}
 		if err != nil {
 			return

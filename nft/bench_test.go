@@ -98,9 +98,14 @@ COMMIT
 //     faster; every other figure is a ratio to it (hack/bench.sh).
 //   - program-warm: nft.Program of a pre-encoded Batch in a warm process:
 //     the agent's own path (late enrolment, repair), sockets included.
-//   - program-cold: nft.Program as the first call of a freshly exec'd
-//     process (this test binary re-run), timed inside it: the plugin's path
-//     at ADD, without its exec.
+//   - program-cold: the plugin's path at ADD, without its exec: the first
+//     call of a freshly exec'd process (this test binary re-run), timed
+//     inside it, writes the Batch on netlink sockets it was handed, made in
+//     the netns by another process (the agent does that; making them here
+//     is not timed, as in kernel-floor).
+//   - program-cold-own-sockets: nft.Program as that first call, sockets
+//     and the netns switch included (the plugin's path when its agent
+//     hands it no sockets).
 //   - apply-warm: Encode then Program (a ruleset never seen before).
 //   - nft-f, iptables-nft-restore, iptables-legacy-restore: the same
 //     ruleset the way Istio's two backends apply it, each exec'd into the
@@ -146,7 +151,8 @@ func BenchmarkProgramFresh(b *testing.B) {
 	ways := []way{
 		{"kernel-floor", func(fd int) (time.Duration, error) { return kernelFloor(fd, batch) }},
 		{"program-warm", timed(func(fd int) error { return Program(fd, batch) })},
-		{"program-cold", func(fd int) (time.Duration, error) { return coldProgram(fd, batchFile) }},
+		{"program-cold", func(fd int) (time.Duration, error) { return coldProgram(fd, batchFile, true) }},
+		{"program-cold-own-sockets", func(fd int) (time.Duration, error) { return coldProgram(fd, batchFile, false) }},
 		{"apply-warm", timed(func(fd int) error { return Apply(fd, rs) })},
 		{"exec-baseline", timed(func(fd int) error { return execIn(fd, "true") })},
 	}
@@ -221,23 +227,43 @@ func kernelFloor(fd int, batch *Batch) (time.Duration, error) {
 }
 
 // coldChildEnv makes this test binary, re-run, program the batch in the
-// file it names into the netns on fd 3 and print how long nft.Program took
-// (TestMain).
-const coldChildEnv = "NFTCNI_BENCH_COLD_PROGRAM"
+// file it names into the netns on fd 3, or on the netlink sockets on fds 4
+// and 5 (coldSocketsEnv), and print how long that took (TestMain).
+const (
+	coldChildEnv   = "NFTCNI_BENCH_COLD_PROGRAM"
+	coldSocketsEnv = "NFTCNI_BENCH_COLD_SOCKETS" // set: fds 4 and 5 are netfilter and route sockets
+)
 
 // coldProgram re-runs this test binary to program the netns behind fd as
-// the first thing a fresh process does, and returns the time the child's
-// Program took.
-func coldProgram(fd int, batchFile string) (time.Duration, error) {
+// the first thing a fresh process does, on sockets made here in that netns
+// when handSockets, and returns the time the child took.
+func coldProgram(fd int, batchFile string, handSockets bool) (time.Duration, error) {
 	dup, err := unix.Dup(fd)
 	if err != nil {
 		return 0, err
 	}
-	f := os.NewFile(uintptr(dup), "netns")
-	defer f.Close()
+	files := []*os.File{os.NewFile(uintptr(dup), "netns")}
+	if handSockets {
+		socks, err := nlsend.Dial(fd, unix.NETLINK_NETFILTER, unix.NETLINK_ROUTE)
+		if err != nil {
+			files[0].Close()
+			return 0, err
+		}
+		for _, s := range socks {
+			files = append(files, os.NewFile(uintptr(s), "netlink"))
+		}
+	}
+	defer func() {
+		for _, f := range files {
+			f.Close()
+		}
+	}()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), coldChildEnv+"="+batchFile)
-	cmd.ExtraFiles = []*os.File{f}
+	if handSockets {
+		cmd.Env = append(cmd.Env, coldSocketsEnv+"=1")
+	}
+	cmd.ExtraFiles = files
 	out, err := cmd.CombinedOutput()
 	if err != nil {
 		return 0, fmt.Errorf("cold child: %v: %s", err, out)
@@ -261,8 +287,16 @@ func coldChild(batchFile string) int {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}
+	var socks []int
+	if os.Getenv(coldSocketsEnv) != "" { // what coldProgram handed over
+		socks = []int{4, 5}
+	}
 	start := time.Now()
-	err = Program(3, &batch)
+	if len(socks) > 0 {
+		err = nlsend.ProgramOn(socks, &batch.Batch)
+	} else {
+		err = Program(3, &batch)
+	}
 	took := time.Since(start)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)

@@ -1,10 +1,11 @@
 // Package plugin is the nftcni chained CNI plugin: every verb of CNI 1.1.
 //
 // ADD hands the agent the pod's identity and its netns fd and gets back
-// the decision with the pod's ruleset already encoded for the kernel; it
-// writes that batch into the netns (one send, one ack; the policy routes
-// likewise) and reports the outcome, with its logs, while the agent hands
-// the netns to ztunnel and records the pod. Two round trips; the agent
+// the decision with the pod's ruleset already encoded for the kernel and
+// the netlink sockets, made by the agent in the pod's netns, to write it
+// on; it writes that batch (one send, one ack; the policy routes likewise)
+// and reports the outcome, with its logs, while the agent hands the netns
+// to ztunnel and records the pod. Two round trips; the agent
 // marks the pod enrolled only once both sides are done. The plugin never
 // talks to Kubernetes: identity comes from CNI_ARGS and prevResult, pod
 // annotations from the runtime's io.kubernetes.cri.pod-annotations
@@ -256,7 +257,8 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 		return c.printPrev(stdout)
 	}
 
-	r, err := c.askLean(wire.AppendAdd(nil, pod), netns, wire.KindAdd, wire.KindDecision)
+	r, socks, err := c.askLean(wire.AppendAdd(nil, pod), netns, wire.KindAdd, wire.KindDecision)
+	defer wire.CloseFiles(socks)
 	if err != nil {
 		var refused *agentError
 		if errors.As(err, &refused) {
@@ -269,7 +271,7 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 		return c.printPrev(stdout)
 	}
 	t := &wire.Timings{Decided: c.since()}
-	perr := nlsend.Program(int(netns.Fd()), r.Batch)
+	perr := program(netns, r.Batch, socks)
 	t.Programmed = c.since()
 	errText := ""
 	if perr != nil {
@@ -278,7 +280,7 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 		c.debug("ruleset programmed", "mode", r.Mode, "decided_ms", t.Decided, "programmed_ms", t.Programmed)
 	}
 	// The call's logs and timings ride the outcome: no third message.
-	if _, err := c.askLean(wire.AppendOutcome(nil, errText, c.recs.take(), t), nil, wire.KindOutcome, wire.KindDone); err != nil && perr == nil {
+	if _, _, err := c.askLean(wire.AppendOutcome(nil, errText, c.recs.take(), t), nil, wire.KindOutcome, wire.KindDone); err != nil && perr == nil {
 		// The agent removed what the enrolment had put in place, rules too.
 		return fmt.Errorf("nftcni: pod %s: enrolment failed after the rules were programmed (removed again): %w", pod.Key(), err)
 	}
@@ -288,34 +290,58 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 	return c.printPrev(stdout)
 }
 
+// program writes the batch into the pod's netns: on the netlink sockets
+// the agent made there and handed over with the decision, once they are
+// known to be in that netns; on sockets of its own when the agent sent
+// none (an older agent). A process that enters a netns itself pays, on
+// its first time, for the thread Go keeps for locked threads, the
+// netns switches and the sockets; the agent has all of that warm.
+func program(netns *os.File, b *nlsend.Batch, handed []*os.File) error {
+	if len(handed) == 0 {
+		return nlsend.Program(int(netns.Fd()), b)
+	}
+	socks := make([]int, len(handed))
+	for i, f := range handed {
+		socks[i] = int(f.Fd())
+	}
+	if err := nlsend.CheckSockets(int(netns.Fd()), socks, nlsend.Protos(b)); err != nil {
+		return fmt.Errorf("the agent's netlink sockets: %w", err)
+	}
+	return nlsend.ProgramOn(socks, b)
+}
+
 // askLean is ask for the ADD's own messages, encoded and decoded without
-// encoding/json (package wire, lean.go).
-func (c *call) askLean(b []byte, fd *os.File, kind, want wire.Kind) (*wire.Reply, error) {
+// encoding/json (package wire, lean.go). Descriptors come back only with
+// a decision (the pod's netlink sockets); the caller closes them.
+func (c *call) askLean(b []byte, fd *os.File, kind, want wire.Kind) (*wire.Reply, []*os.File, error) {
 	if c.agent == nil {
 		if err := c.dial(); err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 	}
 	if err := c.agent.SendBytes(b, fd, kind); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	rb, rfd, err := c.agent.RecvBytes()
-	if rfd != nil {
-		rfd.Close()
-	}
+	rb, fds, err := c.agent.RecvBytes()
 	var r *wire.Reply
 	if err == nil {
 		r, err = wire.ParseReply(rb)
 	}
 	switch {
 	case err != nil:
-		return nil, fmt.Errorf("waiting for the agent's answer to %s: %w", kind, err)
+		err = fmt.Errorf("waiting for the agent's answer to %s: %w", kind, err)
 	case r.Kind == wire.KindError:
-		return nil, &agentError{msg: r.Error}
+		err = &agentError{msg: r.Error}
 	case r.Kind != want:
-		return nil, fmt.Errorf("agent answered %s with %s, want %s", kind, r.Kind, want)
+		err = fmt.Errorf("agent answered %s with %s, want %s", kind, r.Kind, want)
+	case len(fds) > 0 && (r.Kind != wire.KindDecision || r.Mode == wire.ModeNone):
+		err = fmt.Errorf("agent's %s came with %d descriptors, none expected", r.Kind, len(fds))
 	}
-	return r, nil
+	if err != nil {
+		wire.CloseFiles(fds)
+		return nil, nil, err
+	}
+	return r, fds, nil
 }
 
 // errNoSnapshot: no agent has written a policy snapshot since the run dir

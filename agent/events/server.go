@@ -28,6 +28,7 @@ import (
 	"github.com/nftcni/nftcni/internal/atomicfile"
 	"github.com/nftcni/nftcni/internal/unixsock"
 	"github.com/nftcni/nftcni/nft"
+	"github.com/nftcni/nftcni/nft/nlsend"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
 
@@ -233,21 +234,32 @@ type addConv struct {
 	s       *Server
 	ctx     context.Context
 	c       *wire.Conn
+	netns   *os.File // the pod's, from the add
 	decided bool
 	mode    wire.Mode
 }
 
-// Decide sends the decision.
+// Decide sends the decision. A batch to program goes with a netlink socket
+// per protocol it needs, made here in the pod's netns: the plugin is a
+// fresh process for every pod, and entering a netns costs a fresh Go
+// process a thread of its own and the first use of everything on the way,
+// where this process has them warm. A plugin given none makes its own.
 func (a *addConv) Decide(v *wire.Verdict, b *nft.Batch) error {
 	if a.decided {
 		return errors.New("the ADD was decided already")
 	}
 	a.decided, a.mode = true, v.Mode
 	m := &wire.Message{Kind: wire.KindDecision, Decision: v}
+	var socks []int
 	if v.Mode != wire.ModeNone && b != nil {
 		m.Batch = &b.Batch
+		var err error
+		if socks, err = nlsend.Dial(int(a.netns.Fd()), nlsend.Protos(&b.Batch)...); err != nil {
+			a.s.log.Debug("could not make the pod's netlink sockets; the plugin makes its own", "err", err)
+		}
+		defer nlsend.CloseAll(socks)
 	}
-	if err := a.c.Send(m, nil); err != nil {
+	if err := a.c.SendWith(m, socks); err != nil {
 		return fmt.Errorf("plugin went away before the decision: %w", err)
 	}
 	return nil
@@ -279,7 +291,7 @@ func (a *addConv) Outcome() (*wire.Timings, error) {
 // its last answer: done or error to its outcome, or an error in place of
 // a decision. A pod outside the mesh gets nothing after its decision.
 func (s *Server) add(ctx context.Context, c *wire.Conn, pod *wire.Pod, netns *os.File) {
-	conv := &addConv{s: s, ctx: ctx, c: c}
+	conv := &addConv{s: s, ctx: ctx, c: c, netns: netns}
 	err := errors.New("add carries no netns descriptor")
 	if netns != nil {
 		err = s.h.Add(ctx, pod, netns, conv)

@@ -301,8 +301,12 @@ func TestBadClients(t *testing.T) {
 	if err := c.Send(&wire.Message{Kind: wire.KindAdd, Pod: pod()}, netns); err != nil {
 		t.Fatal(err)
 	}
-	if m, _, err := c.Recv(); err != nil || m.Kind != wire.KindDecision {
+	m, sock, err := c.Recv() // with the pod's netlink socket
+	if err != nil || m.Kind != wire.KindDecision {
 		t.Fatalf("decision: %v %v", m, err)
+	}
+	if sock != nil {
+		sock.Close()
 	}
 	c.Close()
 	waitUntil(t, func() bool { f.mu.Lock(); defer f.mu.Unlock(); return len(f.outcomes) == 1 })
@@ -354,9 +358,22 @@ func TestAddConversationAndLogs(t *testing.T) {
 	if err := c.Send(&wire.Message{Kind: wire.KindAdd, Pod: pod()}, netns); err != nil {
 		t.Fatal(err)
 	}
-	m, _, err := c.Recv()
+	m, sock, err := c.Recv()
 	if err != nil || m.Kind != wire.KindDecision || m.Decision.Mode != wire.ModeAmbient || string(m.Batch.Tables) != "batch" {
 		t.Fatalf("decision: %+v %v", m, err)
+	}
+	// The batch's netlink socket, made in the pod's netns (entering one
+	// takes root; without it the plugin makes its own).
+	if os.Geteuid() == 0 {
+		if sock == nil {
+			t.Fatal("the decision came without the pod's netlink socket")
+		}
+		if err := nlsend.CheckSockets(int(netns.Fd()), []int{int(sock.Fd())}, nlsend.Protos(m.Batch)); err != nil {
+			t.Errorf("the socket handed over: %v", err)
+		}
+	}
+	if sock != nil {
+		sock.Close()
 	}
 	rec, _ := json.Marshal(map[string]any{"level": "WARN", "msg": "from the plugin", "pod": "ns/p"})
 	out := &wire.Message{Kind: wire.KindOutcome, Logs: []json.RawMessage{rec, json.RawMessage(`["not a record"]`)}}

@@ -47,11 +47,32 @@ type Removal struct {
 // once more as an atomic replace; then the policy routes in one send with
 // one ack. This is the whole cost of programming a pod.
 func Program(fd int, b *Batch) error {
+	socks, err := Dial(fd, Protos(b)...)
+	if err != nil {
+		return err
+	}
+	defer CloseAll(socks)
+	return ProgramOn(socks, b)
+}
+
+// Protos are the netlink protocols b is written on, one socket each, in
+// the order ProgramOn takes the sockets.
+func Protos(b *Batch) []int {
+	if len(b.Routes) > 0 {
+		return []int{unix.NETLINK_NETFILTER, unix.NETLINK_ROUTE}
+	}
+	return []int{unix.NETLINK_NETFILTER}
+}
+
+// ProgramOn is Program on sockets made in the pod's netns already, by
+// Dial with Protos(b), in this process or in another that handed them
+// over: the agent hands them to its plugin with the decision.
+func ProgramOn(socks []int, b *Batch) error {
 	var onExists []byte
 	if len(b.Replace) > 0 {
 		onExists = SpliceReplace(b.Tables, b.Replace)
 	}
-	return Send(fd, b.Tables, onExists, b.Routes)
+	return sendOn(socks, b.Tables, onExists, b.Routes)
 }
 
 // Send writes an nf_tables transaction into the netns behind fd (and, if
@@ -67,7 +88,14 @@ func Send(fd int, tables, onExists, routes []byte) error {
 		return err
 	}
 	defer CloseAll(socks)
-	err = talk(socks[0], tables, nil)
+	return sendOn(socks, tables, onExists, routes)
+}
+
+func sendOn(socks []int, tables, onExists, routes []byte) error {
+	if want := 1 + min(len(routes), 1); len(socks) != want {
+		return fmt.Errorf("%d netlink sockets for a batch that needs %d", len(socks), want)
+	}
+	err := talk(socks[0], tables, nil)
 	if errors.Is(err, unix.EEXIST) && onExists != nil {
 		err = talk(socks[0], onExists, nil)
 	}
@@ -77,6 +105,47 @@ func Send(fd int, tables, onExists, routes []byte) error {
 	if len(routes) > 0 {
 		if err := talk(socks[1], routes, ruleExists); err != nil {
 			return fmt.Errorf("policy routes: %w", err)
+		}
+	}
+	return nil
+}
+
+// CheckSockets makes sure socks are netlink sockets of protos, in that
+// order, made in the netns behind fd: sockets from another process are
+// written to only once they are known to reach the pod's netns and no
+// other (the host's, say).
+func CheckSockets(fd int, socks []int, protos []int) error {
+	if len(socks) != len(protos) {
+		return fmt.Errorf("%d sockets, want %d", len(socks), len(protos))
+	}
+	var want unix.Stat_t
+	if err := unix.Fstat(fd, &want); err != nil {
+		return fmt.Errorf("the pod's netns: %w", err)
+	}
+	for i, s := range socks {
+		domain, err := unix.GetsockoptInt(s, unix.SOL_SOCKET, unix.SO_DOMAIN)
+		if err != nil {
+			return fmt.Errorf("socket %d: %w", i, err)
+		}
+		proto, err := unix.GetsockoptInt(s, unix.SOL_SOCKET, unix.SO_PROTOCOL)
+		if err != nil {
+			return fmt.Errorf("socket %d: %w", i, err)
+		}
+		if domain != unix.AF_NETLINK || proto != protos[i] {
+			return fmt.Errorf("socket %d is of family %d protocol %d, want netlink protocol %d", i, domain, proto, protos[i])
+		}
+		ns, err := unix.IoctlRetInt(s, unix.SIOCGSKNS)
+		if err != nil {
+			return fmt.Errorf("socket %d: its netns: %w", i, err)
+		}
+		var have unix.Stat_t
+		err = unix.Fstat(ns, &have)
+		unix.Close(ns)
+		if err != nil {
+			return fmt.Errorf("socket %d: its netns: %w", i, err)
+		}
+		if have.Dev != want.Dev || have.Ino != want.Ino {
+			return fmt.Errorf("socket %d was made in another netns (inode %d, the pod's is %d)", i, have.Ino, want.Ino)
 		}
 	}
 	return nil
@@ -230,9 +299,19 @@ func talk(s int, msgs []byte, accept func(typ uint16, errno unix.Errno) bool) er
 	if err := unix.Sendto(s, msgs, 0, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
 		return fmt.Errorf("sendto: %w", err)
 	}
-	var buf [8192]byte
+	// Answers are small (NETLINK_CAP_ACK: an error quotes only the failed
+	// message's header), so a small buffer on the stack takes the usual
+	// one; a larger datagram is measured first and read whole.
+	var small [512]byte
 	for {
-		n, _, err := unix.Recvfrom(s, buf[:], 0)
+		buf := small[:]
+		n, _, err := unix.Recvfrom(s, buf, unix.MSG_PEEK|unix.MSG_TRUNC)
+		if err == nil && n > len(buf) {
+			buf = make([]byte, n)
+		}
+		if err == nil {
+			n, _, err = unix.Recvfrom(s, buf, 0)
+		}
 		if errors.Is(err, unix.EINTR) {
 			continue
 		}
@@ -251,8 +330,8 @@ func talk(s int, msgs []byte, accept func(typ uint16, errno unix.Errno) bool) er
 			}
 			errno := unix.Errno(-int32(binary.NativeEndian.Uint32(m[16:])))
 			seq := binary.NativeEndian.Uint32(m[20+8:])
-			if errno != 0 && (accept == nil || !accept(types[seq], errno)) {
-				return &NetlinkError{Errno: errno, Type: types[seq], Msg: extAck(m)}
+			if errno != 0 && (accept == nil || !accept(types.of(seq), errno)) {
+				return &NetlinkError{Errno: errno, Type: types.of(seq), Msg: extAck(m)}
 			}
 			if seq == ackSeq {
 				return nil
@@ -263,8 +342,8 @@ func talk(s int, msgs []byte, accept func(typ uint16, errno unix.Errno) bool) er
 
 // scan reads the headers of msgs: the sequence number of the message that
 // asks for an ack, and every message's type by sequence number.
-func scan(msgs []byte) (uint32, map[uint32]uint16, error) {
-	types := map[uint32]uint16{}
+func scan(msgs []byte) (uint32, msgTypes, error) {
+	var types msgTypes
 	var ack uint32
 	found := false
 	for b := msgs; len(b) > 0; {
@@ -276,7 +355,7 @@ func scan(msgs []byte) (uint32, map[uint32]uint16, error) {
 			return 0, nil, errors.New("malformed netlink batch")
 		}
 		seq := binary.NativeEndian.Uint32(b[8:])
-		types[seq] = binary.NativeEndian.Uint16(b[4:])
+		types = append(types, msgType{seq, binary.NativeEndian.Uint16(b[4:])})
 		if binary.NativeEndian.Uint16(b[6:])&unix.NLM_F_ACK != 0 {
 			ack, found = seq, true
 		}
@@ -286,6 +365,23 @@ func scan(msgs []byte) (uint32, map[uint32]uint16, error) {
 		return 0, nil, errors.New("netlink batch asks for no ack")
 	}
 	return ack, types, nil
+}
+
+// msgTypes is each message's type by sequence number, in batch order.
+type msgTypes []msgType
+
+type msgType struct {
+	seq uint32
+	typ uint16
+}
+
+func (t msgTypes) of(seq uint32) uint16 {
+	for _, m := range t {
+		if m.seq == seq {
+			return m.typ
+		}
+	}
+	return 0
 }
 
 func nlmAlign(l int) int { return (l + unix.NLMSG_ALIGNTO - 1) &^ (unix.NLMSG_ALIGNTO - 1) }

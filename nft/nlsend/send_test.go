@@ -2,6 +2,8 @@ package nlsend
 
 import (
 	"encoding/binary"
+	"os"
+	"runtime"
 	"strings"
 	"testing"
 
@@ -28,7 +30,7 @@ func TestScanFindsTheOneAck(t *testing.T) {
 	b = append(b, msg(0xa00, unix.NLM_F_ACK, 2, 5)...) // an unaligned payload: the next is at 4-byte alignment
 	b = append(b, msg(unix.NFNL_MSG_BATCH_END, 0, 3, 4)...)
 	ack, types, err := scan(b)
-	if err != nil || ack != 2 || types[1] != unix.NFNL_MSG_BATCH_BEGIN || types[2] != 0xa00 || types[3] != unix.NFNL_MSG_BATCH_END {
+	if err != nil || ack != 2 || types.of(1) != unix.NFNL_MSG_BATCH_BEGIN || types.of(2) != 0xa00 || types.of(3) != unix.NFNL_MSG_BATCH_END || types.of(4) != 0 {
 		t.Fatalf("scan = %d %v %v, want the ack on 2 and three types", ack, types, err)
 	}
 	tooLong := msg(0xa00, unix.NLM_F_ACK, 1, 0)
@@ -59,7 +61,75 @@ func TestSpliceReplaceGoesAfterTheBatchBegin(t *testing.T) {
 	if string(got) != string(want) {
 		t.Errorf("SpliceReplace put the replace elsewhere:\n%x\nwant\n%x", got, want)
 	}
-	if _, types, err := scan(got); err != nil || types[9] != 0xa02 {
+	if _, types, err := scan(got); err != nil || types.of(9) != 0xa02 {
 		t.Errorf("the spliced batch does not scan: %v %v", types, err)
 	}
+}
+
+// TestCheckSocketsRefusesAnotherNetns: sockets handed over are used only
+// when they are netlink sockets of the protocols asked for, made in the
+// pod's netns.
+func TestCheckSocketsRefusesAnotherNetns(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("entering a netns needs root")
+	}
+	pod := newNetns(t)
+	self, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(self)
+	protos := []int{unix.NETLINK_NETFILTER, unix.NETLINK_ROUTE}
+	in, err := Dial(pod, protos...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer CloseAll(in)
+	if err := CheckSockets(pod, in, protos); err != nil {
+		t.Errorf("sockets made in the pod's netns: %v", err)
+	}
+	here, err := Dial(self, protos...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer CloseAll(here)
+	for name, tc := range map[string]struct {
+		socks, protos []int
+		want          string
+	}{
+		"another netns":     {here, protos, "another netns"},
+		"protocols swapped": {in, []int{unix.NETLINK_ROUTE, unix.NETLINK_NETFILTER}, "want netlink protocol"},
+		"one missing":       {in[:1], protos, "1 sockets, want 2"},
+		"not netlink":       {[]int{int(os.Stdin.Fd()), in[1]}, protos, "socket 0"},
+	} {
+		if err := CheckSockets(pod, tc.socks, tc.protos); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: CheckSockets = %v, want an error saying %q", name, err, tc.want)
+		}
+	}
+}
+
+// newNetns makes an unnamed netns that lives as long as the returned fd:
+// a thread unshares into it and ends with its goroutine, still locked.
+func newNetns(t *testing.T) int {
+	t.Helper()
+	type res struct {
+		fd  int
+		err error
+	}
+	ch := make(chan res, 1)
+	go func() {
+		runtime.LockOSThread() // never unlocked: the thread goes with the goroutine
+		if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
+			ch <- res{-1, err}
+			return
+		}
+		fd, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		ch <- res{fd, err}
+	}()
+	r := <-ch
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	t.Cleanup(func() { unix.Close(r.fd) })
+	return r.fd
 }

@@ -14,7 +14,8 @@ import (
 )
 
 // maxFDs is how many descriptors one message may carry before the rest are
-// refused; every message carries at most one.
+// refused: a decision carries two sockets, any other message at most one
+// netns.
 const maxFDs = 4
 
 // Conn is one plugin<->agent connection. The agent's end is a net.UnixConn
@@ -99,15 +100,36 @@ func (c *Conn) Send(m *Message, fd *os.File) error {
 	return c.SendBytes(b, fd, m.Kind)
 }
 
+// SendWith writes one message with fds attached (none when empty): the
+// agent's decision carries the pod's netlink sockets.
+func (c *Conn) SendWith(m *Message, fds []int) error {
+	b, err := Encode(m)
+	if err != nil {
+		return err
+	}
+	return c.sendBytes(b, fds, m.Kind)
+}
+
 // SendBytes writes one encoded message of kind (for errors), with fd
 // attached when it is not nil.
 func (c *Conn) SendBytes(b []byte, fd *os.File, kind Kind) error {
+	var fds []int
+	if fd != nil {
+		fds = []int{int(fd.Fd())}
+	}
+	return c.sendBytes(b, fds, kind)
+}
+
+func (c *Conn) sendBytes(b []byte, fds []int, kind Kind) error {
 	if len(b) > MaxMessage {
 		return fmt.Errorf("%s message of %d bytes exceeds the %d-byte limit", kind, len(b), MaxMessage)
 	}
+	if len(fds) > maxFDs {
+		return fmt.Errorf("%s message with %d descriptors exceeds the limit of %d", kind, len(fds), maxFDs)
+	}
 	var oob []byte
-	if fd != nil {
-		oob = unix.UnixRights(int(fd.Fd()))
+	if len(fds) > 0 {
+		oob = unix.UnixRights(fds...)
 	}
 	var err error
 	if c.uc != nil {
@@ -128,22 +150,35 @@ var ErrTooLarge = errors.New("message exceeds the size limit")
 // closes it). io.EOF means the peer closed. Extra descriptors are closed
 // here, so a hostile peer cannot make us leak them.
 func (c *Conn) Recv() (*Message, *os.File, error) {
-	b, f, err := c.RecvBytes()
+	b, fs, err := c.RecvBytes()
+	if err == nil && len(fs) > 1 {
+		err = errors.New("message carried more than one descriptor")
+	}
+	var m *Message
+	if err == nil {
+		m, err = Decode(b)
+	}
 	if err != nil {
+		CloseFiles(fs)
 		return nil, nil, err
 	}
-	m, err := Decode(b)
-	if err != nil {
-		if f != nil {
-			f.Close()
-		}
-		return nil, nil, err
+	var f *os.File
+	if len(fs) == 1 {
+		f = fs[0]
 	}
 	return m, f, nil
 }
 
-// RecvBytes is Recv without decoding the message.
-func (c *Conn) RecvBytes() ([]byte, *os.File, error) {
+// CloseFiles closes what RecvBytes handed over.
+func CloseFiles(fs []*os.File) {
+	for _, f := range fs {
+		f.Close()
+	}
+}
+
+// RecvBytes is Recv without decoding the message, with every descriptor
+// that came with it (at most maxFDs; the caller closes them).
+func (c *Conn) RecvBytes() ([]byte, []*os.File, error) {
 	size, err := c.nextSize()
 	if err != nil {
 		return nil, nil, err
@@ -177,18 +212,18 @@ func (c *Conn) RecvBytes() ([]byte, *os.File, error) {
 		err = perr
 	case flags&unix.MSG_TRUNC != 0 || n > MaxMessage:
 		err = ErrTooLarge
-	case flags&unix.MSG_CTRUNC != 0 || len(fds) > 1:
-		err = fmt.Errorf("message carried more than one descriptor")
+	case flags&unix.MSG_CTRUNC != 0:
+		err = fmt.Errorf("message carried more than %d descriptors", maxFDs)
 	}
 	if err != nil {
 		closeAll()
 		return nil, nil, err
 	}
-	var f *os.File
-	if len(fds) == 1 {
-		f = os.NewFile(uintptr(fds[0]), "netns")
+	var fs []*os.File
+	for _, fd := range fds {
+		fs = append(fs, os.NewFile(uintptr(fd), "received"))
 	}
-	return buf[:n], f, nil
+	return buf[:n], fs, nil
 }
 
 // nextSize waits for the next message (within the deadline) and returns
