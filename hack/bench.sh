@@ -64,6 +64,8 @@ if [ -n "$(m BenchmarkCNIAdd primary-ms-median)" ]; then
 	vs BenchmarkCNIAdd "nftcni, pod outside the mesh / tuning" plain-exec-ms-median tuning-exec-ms-median
 	vs BenchmarkCNIAdd "nftcni, excluded namespace / tuning" excluded-exec-ms-median tuning-exec-ms-median
 	vs BenchmarkCNIAdd "nullplugin (least a Go plugin does) / tuning" null-exec-ms-median tuning-exec-ms-median
+	vs BenchmarkCNIAdd "askplugin (nullplugin + one round trip) / tuning" ask-exec-ms-median tuning-exec-ms-median
+	vs BenchmarkCNIAdd "nftcni outside the mesh / askplugin (its floor)" plain-exec-ms-median ask-exec-ms-median
 	vs BenchmarkCNIAdd "nftcni enrolled / nullplugin (the Go floor)" enrolled-exec-ms-median null-exec-ms-median
 	echo "   exec alone:"
 	vs BenchmarkCNIAdd "nftcni VERSION / static Go hello-world" nftcni-version-exec-ms-median hello-exec-ms-median
@@ -71,7 +73,7 @@ if [ -n "$(m BenchmarkCNIAdd primary-ms-median)" ]; then
 	printf "    %-52s agent %s ms; plugin: decision at %s ms, rules in at %s ms from its start\n" "inside nftcni, enrolled (medians):" \
 		"$(m BenchmarkCNIAdd enrolled-agent-ms-median)" "$(m BenchmarkCNIAdd enrolled-plugin-decided-ms-median)" "$(m BenchmarkCNIAdd enrolled-plugin-programmed-ms-median)"
 	echo "   whole ADD (ms, median / p90):"
-	for v in primary tuning null excluded plain enrolled; do
+	for v in primary tuning null ask excluded plain enrolled; do
 		printf "    %-52s %7.3f / %7.3f\n" "$v" "$(m BenchmarkCNIAdd $v-ms-median)" "$(m BenchmarkCNIAdd $v-ms-p90)"
 	done
 fi

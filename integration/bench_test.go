@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
+	"net"
 	"os"
 	"path/filepath"
 	"slices"
@@ -15,6 +16,7 @@ import (
 
 	"github.com/containernetworking/cni/libcni"
 	"github.com/containernetworking/cni/pkg/invoke"
+	"golang.org/x/sys/unix"
 
 	"github.com/nftcni/nftcni/conflist"
 	"github.com/nftcni/nftcni/integration/containerdtest"
@@ -26,7 +28,9 @@ import (
 // node netns, alone and with one plugin appended: the reference tuning
 // plugin with nothing to tune (what appending a real plugin costs here),
 // nullplugin (the least any Go chained plugin can do: hand prevResult
-// back), and nftcni for a pod in an excluded namespace (no agent contact),
+// back), askplugin (nullplugin plus one round trip with the netns fd to a
+// responder in this process that answers at once: the least a plugin that
+// must ask an agent can do), and nftcni for a pod in an excluded namespace (no agent contact),
 // a pod outside the mesh (one round trip to the agent), and an enrolled pod
 // (ambient ruleset programmed into its netns, ztunnel handed the netns).
 // Every round runs each variant once, in a rotating order, so drift on the
@@ -45,18 +49,20 @@ func BenchmarkCNIAdd(b *testing.B) {
 	n.cni = libcni.NewCNIConfigWithCacheDir(n.cni.Path, b.TempDir(), timed)
 	n.startAgent()
 	primary := n.list("bridge", "1.0.0", false, false)
+	responder := respondAtOnce(b)
 	lists := map[string]*libcni.NetworkConfigList{
 		"primary":  primary,
 		"tuning":   withPlugin(b, primary, "tuning", `{"type": "tuning"}`),
 		"null":     withPlugin(b, primary, "nullplugin", `{"type": "nullplugin"}`),
+		"ask":      withPlugin(b, primary, "askplugin", `{"type": "askplugin", "socket": "`+responder+`"}`),
 		"excluded": n.list("bridge", "1.0.0", true, false),
 		"plain":    n.list("bridge", "1.0.0", true, false),
 		"enrolled": n.list("bridge", "1.0.0", true, false),
 	}
-	appended := map[string]string{"tuning": "tuning", "null": "nullplugin", "excluded": "nftcni", "plain": "nftcni", "enrolled": "nftcni"}
+	appended := map[string]string{"tuning": "tuning", "null": "nullplugin", "ask": "askplugin", "excluded": "nftcni", "plain": "nftcni", "enrolled": "nftcni"}
 	execs := map[string]string{"hello-exec": filepath.Join(binDir, "hello"), "nftcni-version-exec": filepath.Join(binDir, "nftcni"),
 		"tuning-version-exec": filepath.Join(referencePlugins(b), "tuning")}
-	order := []string{"primary", "tuning", "null", "excluded", "plain", "enrolled", "hello-exec", "nftcni-version-exec", "tuning-version-exec"}
+	order := []string{"primary", "tuning", "null", "ask", "excluded", "plain", "enrolled", "hello-exec", "nftcni-version-exec", "tuning-version-exec"}
 	pods := map[string]*testnet.NS{}
 	for v := range lists {
 		pods[v] = testnet.NewNS(b, "nftbench")
@@ -115,6 +121,47 @@ func BenchmarkCNIAdd(b *testing.B) {
 	}
 	reportEnrolTimings(b, n.log.String())
 	b.ReportMetric(q("enrolled", 0.5)*1e6, "ns/op")
+}
+
+// respondAtOnce serves askplugin until the benchmark ends: every
+// question (with its descriptor, closed at once) gets a short answer, from
+// a goroutine per connection on Go's poller, as the agent serves its
+// plugin. It returns the socket's path.
+func respondAtOnce(b *testing.B) string {
+	path := filepath.Join(b.TempDir(), "ask.sock")
+	l, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: path, Net: "unixpacket"})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { l.Close() })
+	answer := []byte(`{"kind":"decision","decision":{"mode":"none","reason":"namespace plain does not enrol its pods"}}`)
+	go func() {
+		for {
+			c, err := l.AcceptUnix()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				buf, oob := make([]byte, 4096), make([]byte, unix.CmsgSpace(4))
+				_, oobn, _, _, err := c.ReadMsgUnix(buf, oob)
+				if err != nil {
+					return
+				}
+				if msgs, err := unix.ParseSocketControlMessage(oob[:oobn]); err == nil && len(msgs) == 1 {
+					if fds, err := unix.ParseUnixRights(&msgs[0]); err == nil {
+						for _, fd := range fds {
+							unix.Close(fd)
+						}
+					}
+				}
+				if _, err := c.Write(answer); err == nil {
+					_, _ = c.Read(buf) // until the plugin closes
+				}
+			}()
+		}
+	}()
+	return path
 }
 
 // reportEnrolTimings reports the medians of the phases the agent logs for

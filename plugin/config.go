@@ -90,7 +90,7 @@ func ParseConfig(stdin []byte) (*Config, error) {
 		return nil, err
 	}
 	if rc := root.Get("runtimeConfig"); rc.IsObject() {
-		if ann := rc.Get(gjson.Escape(annotationsCap)); ann.Exists() && ann.Type != gjson.Null {
+		if ann := rc.Get(annotationsCapPath); ann.Exists() && ann.Type != gjson.Null {
 			if !ann.IsObject() {
 				return nil, fmt.Errorf("runtimeConfig.%s: want an object of strings", annotationsCap)
 			}
@@ -108,7 +108,7 @@ func ParseConfig(stdin []byte) (*Config, error) {
 			}
 		}
 	}
-	if va := root.Get(gjson.Escape("cni.dev/valid-attachments")); va.Exists() && va.Type != gjson.Null {
+	if va := root.Get(`cni\.dev/valid-attachments`); va.Exists() && va.Type != gjson.Null {
 		if !va.IsArray() {
 			return nil, errors.New("cni.dev/valid-attachments: want a list")
 		}
@@ -150,6 +150,10 @@ func ParseConfig(stdin []byte) (*Config, error) {
 // annotationsCap is the capability containerd and CRI-O fill with the
 // pod's annotations.
 const annotationsCap = "io.kubernetes.cri.pod-annotations"
+
+// annotationsCapPath is annotationsCap as a gjson path, its dots escaped
+// (a constant: gjson.Escape allocates on every exec).
+const annotationsCapPath = `io\.kubernetes\.cri\.pod-annotations`
 
 // strings_ reads a list of strings (absent or null: nil).
 func strings_(v gjson.Result, key string) ([]string, error) {
