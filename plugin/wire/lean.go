@@ -1,7 +1,7 @@
 package wire
 
 import (
-	"encoding/base64"
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -109,14 +109,37 @@ func ParseReply(b []byte) (*Reply, error) {
 	if len(b) > MaxMessage {
 		return nil, fmt.Errorf("message of %d bytes exceeds the %d-byte limit", len(b), MaxMessage)
 	}
-	if !gjson.ValidBytes(b) {
+	obj, tail, hasTail := bytes.Cut(b, []byte{tailMark})
+	if !gjson.ValidBytes(obj) {
 		return nil, errors.New("decoding message: not valid JSON")
 	}
-	m := gjson.ParseBytes(b)
+	m := gjson.ParseBytes(obj)
 	if !m.IsObject() {
 		return nil, errors.New("decoding message: not a JSON object")
 	}
 	r := &Reply{Kind: Kind(m.Get("kind").String()), Error: m.Get("error").String()}
+	var lens *batchLen
+	if bt := m.Get("batch"); bt.Exists() && bt.Type != gjson.Null {
+		if !bt.IsObject() {
+			return nil, errors.New("decoding message: batch is not an object")
+		}
+		lens = &batchLen{}
+		for _, f := range [...]struct {
+			key string
+			n   *int
+		}{{"tables", &lens.Tables}, {"replace", &lens.Replace}, {"routes", &lens.Routes}} {
+			if v := bt.Get(f.key); v.Exists() {
+				if v.Type != gjson.Number || v.Num != float64(int(v.Num)) {
+					return nil, fmt.Errorf("decoding message: batch.%s is not a length", f.key)
+				}
+				*f.n = int(v.Num)
+			}
+		}
+	}
+	batch, err := splitTail(lens, tail, hasTail)
+	if err != nil {
+		return nil, err
+	}
 	switch r.Kind {
 	case KindDone, KindError:
 		return r, nil
@@ -136,29 +159,8 @@ func ParseReply(b []byte) (*Reply, error) {
 	default:
 		return nil, fmt.Errorf("decision message: unknown mode %q", r.Mode)
 	}
-	bt := m.Get("batch")
-	bytes := func(key string) ([]byte, error) {
-		v := bt.Get(key)
-		if !v.Exists() || v.Type == gjson.Null {
-			return nil, nil
-		}
-		if v.Type != gjson.String {
-			return nil, fmt.Errorf("decision message: batch.%s is not base64 text", key)
-		}
-		return base64.StdEncoding.DecodeString(v.Str)
-	}
-	r.Batch = &nlsend.Batch{}
-	var err error
-	if r.Batch.Tables, err = bytes("tables"); err != nil {
-		return nil, err
-	}
-	if r.Batch.Replace, err = bytes("replace"); err != nil {
-		return nil, err
-	}
-	if r.Batch.Routes, err = bytes("routes"); err != nil {
-		return nil, err
-	}
-	if len(r.Batch.Tables) == 0 {
+	r.Batch = batch
+	if r.Batch == nil || len(r.Batch.Tables) == 0 {
 		return nil, fmt.Errorf("decision message: %s without a batch to program", r.Mode)
 	}
 	return r, nil

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"net/netip"
 	"reflect"
+	"strings"
 	"testing"
 
 	"github.com/nftcni/nftcni/nft/nlsend"
@@ -84,8 +85,9 @@ func TestParseReplyAgreesWithDecode(t *testing.T) {
 func FuzzParseReply(f *testing.F) {
 	for _, s := range []string{`{"kind":"done"}`, `{"kind":"error","error":"x"}`,
 		`{"kind":"decision","decision":{"mode":"none","reason":"r"}}`,
-		`{"kind":"decision","decision":{"mode":"ambient"},"batch":{"tables":"AQID","routes":"BA=="}}`,
-		`{"kind":"decision","decision":{"mode":"sidecar"},"batch":{"tables":""}}`} {
+		"{\"kind\":\"decision\",\"decision\":{\"mode\":\"ambient\"},\"batch\":{\"tables\":3,\"routes\":1}}\x00\x01\x02\x03\x04",
+		"{\"kind\":\"decision\",\"decision\":{\"mode\":\"sidecar\"},\"batch\":{\"tables\":0}}\x00",
+		"{\"kind\":\"done\"}\x00junk"} {
 		f.Add([]byte(s))
 	}
 	f.Fuzz(func(t *testing.T, b []byte) {
@@ -113,4 +115,39 @@ func FuzzParseReply(f *testing.F) {
 			t.Fatalf("%s: batches differ", b)
 		}
 	})
+}
+
+// TestBatchTailRefusals: a batch's lengths must fill the bytes after the
+// object exactly, and both codecs refuse the same tails.
+func TestBatchTailRefusals(t *testing.T) {
+	head := `{"kind":"decision","decision":{"mode":"ambient"},"batch":`
+	for name, tc := range map[string]struct{ b, want string }{
+		"short":          {head + `{"tables":4}}` + "\x00\x01\x02", "do not fill"},
+		"long":           {head + `{"tables":1}}` + "\x00\x01\x02", "do not fill"},
+		"negative":       {head + `{"tables":-1,"routes":2}}` + "\x00\x01", "do not fill"},
+		"huge":           {head + `{"tables":9223372036854775807,"routes":2}}` + "\x00\x01", "do not fill"},
+		"no tail":        {head + `{"tables":1}}`, "is missing"},
+		"tail, no batch": {`{"kind":"decision","decision":{"mode":"none"}}` + "\x00\x01", "names no batch"},
+		"not a length":   {head + `{"tables":"AQID"}}` + "\x00\x01", ""},
+		"no object":      {"\x00\x01", "no JSON object"},
+	} {
+		_, derr := Decode([]byte(tc.b))
+		_, rerr := ParseReply([]byte(tc.b))
+		if derr == nil || rerr == nil || !strings.Contains(derr.Error(), tc.want) {
+			t.Errorf("%s: Decode %v, ParseReply %v; want both to refuse (%q)", name, derr, rerr, tc.want)
+		}
+	}
+	// The bytes come through as they went, without a copy per part.
+	m := &Message{Kind: KindDecision, Decision: &Verdict{Mode: ModeAmbient}, Batch: &nlsend.Batch{Tables: []byte{0, 1, 0}, Routes: []byte{0}}}
+	b, err := Encode(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := ParseReply(b)
+	if err != nil || !bytes.Equal(r.Batch.Tables, []byte{0, 1, 0}) || r.Batch.Replace != nil || !bytes.Equal(r.Batch.Routes, []byte{0}) {
+		t.Fatalf("ParseReply = %+v, %v", r, err)
+	}
+	if &r.Batch.Tables[0] != &b[len(b)-4] {
+		t.Error("ParseReply copied the batch")
+	}
 }

@@ -83,8 +83,9 @@ type Message struct {
 	// Decision: decision.
 	Decision *Verdict `json:"decision,omitempty"`
 	// Batch: decision, for an enrolled pod: its ruleset as the kernel
-	// takes it, for the plugin to write into the pod's netns as it is.
-	Batch *nlsend.Batch `json:"batch,omitempty"`
+	// takes it, for the plugin to write into the pod's netns as it is. It
+	// travels as raw bytes after the JSON object, not inside it (Encode).
+	Batch *nlsend.Batch `json:"-"`
 	// Error: outcome (empty = rules in place) and error.
 	Error string `json:"error,omitempty"`
 	// Valid: gc, the attachments the runtime still has.
@@ -163,11 +164,41 @@ type Verdict struct {
 	Reason string `json:"reason,omitempty"`
 }
 
-// Encode marshals m, refusing what the peer would refuse.
+// envelope is a Message as it goes on the wire: a batch is named in the
+// JSON by the lengths of its parts, and its bytes follow the object.
+type envelope struct {
+	*Message
+	Batch *batchLen `json:"batch,omitempty"`
+}
+
+// batchLen gives the length of each part of a batch in a message's tail,
+// which holds them in this order.
+type batchLen struct {
+	Tables  int `json:"tables"`
+	Replace int `json:"replace,omitempty"`
+	Routes  int `json:"routes,omitempty"`
+}
+
+// tailMark ends the JSON object of a message that carries a tail. JSON
+// text never holds a raw NUL, so the first one is where the tail begins.
+const tailMark = 0
+
+// Encode marshals m, refusing what the peer would refuse. A batch goes
+// after the object, a NUL between them: 10 KiB of rules would take 14 as
+// base64 text, and the plugin, a fresh process, would pay the page faults
+// of decoding it.
 func Encode(m *Message) ([]byte, error) {
-	b, err := json.Marshal(m)
+	env := envelope{Message: m}
+	if m.Batch != nil {
+		env.Batch = &batchLen{Tables: len(m.Batch.Tables), Replace: len(m.Batch.Replace), Routes: len(m.Batch.Routes)}
+	}
+	b, err := json.Marshal(&env)
 	if err != nil {
 		return nil, err
+	}
+	if m.Batch != nil {
+		b = append(b, tailMark)
+		b = append(append(append(b, m.Batch.Tables...), m.Batch.Replace...), m.Batch.Routes...)
 	}
 	if len(b) > MaxMessage {
 		return nil, fmt.Errorf("%s message of %d bytes exceeds the %d-byte limit", m.Kind, len(b), MaxMessage)
@@ -175,19 +206,53 @@ func Encode(m *Message) ([]byte, error) {
 	return b, nil
 }
 
+// splitTail cuts a message's tail into the batch its lengths name: the
+// parts must fill it exactly.
+func splitTail(l *batchLen, tail []byte, hasTail bool) (*nlsend.Batch, error) {
+	switch {
+	case l == nil && !hasTail:
+		return nil, nil
+	case l == nil:
+		return nil, errors.New("decoding message: data after the object names no batch")
+	case !hasTail:
+		return nil, errors.New("decoding message: the batch it names is missing")
+	case !within(l.Tables, len(tail)) || !within(l.Replace, len(tail)) || !within(l.Routes, len(tail)) || l.Tables+l.Replace+l.Routes != len(tail):
+		return nil, fmt.Errorf("decoding message: batch lengths %d+%d+%d do not fill its %d bytes", l.Tables, l.Replace, l.Routes, len(tail))
+	}
+	b := &nlsend.Batch{Tables: tail[:l.Tables:l.Tables]}
+	if rest := tail[l.Tables:]; l.Replace > 0 {
+		b.Replace = rest[:l.Replace:l.Replace]
+	}
+	if l.Routes > 0 {
+		b.Routes = tail[len(tail)-l.Routes:]
+	}
+	return b, nil
+}
+
+func within(n, max int) bool { return n >= 0 && n <= max }
+
 // Decode parses one message and checks that the fields its kind needs are
 // there, so handlers never see a half-formed message.
 func Decode(b []byte) (*Message, error) {
 	if len(b) > MaxMessage {
 		return nil, fmt.Errorf("message of %d bytes exceeds the %d-byte limit", len(b), MaxMessage)
 	}
-	d := json.NewDecoder(bytes.NewReader(b))
+	obj, tail, hasTail := bytes.Cut(b, []byte{tailMark})
+	if len(bytes.TrimSpace(obj)) == 0 {
+		return nil, errors.New("decoding message: no JSON object") // not the decoder's io.EOF: the peer did not close
+	}
+	d := json.NewDecoder(bytes.NewReader(obj))
 	m := &Message{}
-	if err := d.Decode(m); err != nil {
+	env := envelope{Message: m}
+	if err := d.Decode(&env); err != nil {
 		return nil, fmt.Errorf("decoding message: %w", err)
 	}
-	if len(bytes.TrimSpace(b[d.InputOffset():])) > 0 {
+	if len(bytes.TrimSpace(obj[d.InputOffset():])) > 0 {
 		return nil, errors.New("decoding message: trailing data after the object")
+	}
+	var err error
+	if m.Batch, err = splitTail(env.Batch, tail, hasTail); err != nil {
+		return nil, err
 	}
 	switch m.Kind {
 	case KindAdd, KindDel, KindCheck:
