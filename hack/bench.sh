@@ -44,7 +44,8 @@ echo "== ratios (medians of interleaved rounds, same run)"
 if [ -n "$(m BenchmarkProgramFresh kernel-floor-ms-median)" ]; then
 	echo "  ambient ruleset (v4+v6, DNS, routes) into a fresh netns:"
 	vs BenchmarkProgramFresh "nft.Program, warm process / kernel floor" program-warm-ms-median kernel-floor-ms-median
-	vs BenchmarkProgramFresh "nft.Program, fresh process / kernel floor" program-cold-ms-median kernel-floor-ms-median
+	vs BenchmarkProgramFresh "fresh process, agent's sockets (plugin) / kernel floor" program-cold-ms-median kernel-floor-ms-median
+	vs BenchmarkProgramFresh "fresh process, sockets of its own / kernel floor" program-cold-own-sockets-ms-median kernel-floor-ms-median
 	vs BenchmarkProgramFresh "Encode+Program, warm / kernel floor" apply-warm-ms-median kernel-floor-ms-median
 	vs BenchmarkProgramFresh "nft -f / nft.Program warm" nft-f-ms-median program-warm-ms-median
 	vs BenchmarkProgramFresh "nft -f / nft.Program fresh process" nft-f-ms-median program-cold-ms-median
