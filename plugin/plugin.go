@@ -258,7 +258,7 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 	}
 
 	r, socks, err := c.askLean(wire.AppendAdd(nil, pod), netns, wire.KindAdd, wire.KindDecision)
-	defer wire.CloseFiles(socks)
+	defer wire.CloseAll(socks)
 	if err != nil {
 		var refused *agentError
 		if errors.As(err, &refused) {
@@ -296,13 +296,9 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 // none (an older agent). A process that enters a netns itself pays, on
 // its first time, for the thread Go keeps for locked threads, the
 // netns switches and the sockets; the agent has all of that warm.
-func program(netns *os.File, b *nlsend.Batch, handed []*os.File) error {
-	if len(handed) == 0 {
+func program(netns *os.File, b *nlsend.Batch, socks []int) error {
+	if len(socks) == 0 {
 		return nlsend.Program(int(netns.Fd()), b)
-	}
-	socks := make([]int, len(handed))
-	for i, f := range handed {
-		socks[i] = int(f.Fd())
 	}
 	if err := nlsend.CheckSockets(int(netns.Fd()), socks, nlsend.Protos(b)); err != nil {
 		return fmt.Errorf("the agent's netlink sockets: %w", err)
@@ -313,7 +309,7 @@ func program(netns *os.File, b *nlsend.Batch, handed []*os.File) error {
 // askLean is ask for the ADD's own messages, encoded and decoded without
 // encoding/json (package wire, lean.go). Descriptors come back only with
 // a decision (the pod's netlink sockets); the caller closes them.
-func (c *call) askLean(b []byte, fd *os.File, kind, want wire.Kind) (*wire.Reply, []*os.File, error) {
+func (c *call) askLean(b []byte, fd *os.File, kind, want wire.Kind) (*wire.Reply, []int, error) {
 	if c.agent == nil {
 		if err := c.dial(); err != nil {
 			return nil, nil, err
@@ -338,7 +334,7 @@ func (c *call) askLean(b []byte, fd *os.File, kind, want wire.Kind) (*wire.Reply
 		err = fmt.Errorf("agent's %s came with %d descriptors, none expected", r.Kind, len(fds))
 	}
 	if err != nil {
-		wire.CloseFiles(fds)
+		wire.CloseAll(fds)
 		return nil, nil, err
 	}
 	return r, fds, nil

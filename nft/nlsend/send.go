@@ -47,12 +47,18 @@ type Removal struct {
 // once more as an atomic replace; then the policy routes in one send with
 // one ack. This is the whole cost of programming a pod.
 func Program(fd int, b *Batch) error {
-	socks, err := Dial(fd, Protos(b)...)
+	return onSockets(fd, Protos(b), func(socks []int) error { return ProgramOn(socks, b) })
+}
+
+// onSockets runs f on sockets of protos made in the netns behind fd, and
+// closes them.
+func onSockets(fd int, protos []int, f func(socks []int) error) error {
+	socks, err := Dial(fd, protos...)
 	if err != nil {
 		return err
 	}
 	defer CloseAll(socks)
-	return ProgramOn(socks, b)
+	return f(socks)
 }
 
 // Protos are the netlink protocols b is written on, one socket each, in
@@ -79,20 +85,11 @@ func ProgramOn(socks []int, b *Batch) error {
 // that fails with EEXIST and onExists is set, that one instead), then the
 // policy routes: one send and one ack each, on sockets made in the netns.
 func Send(fd int, tables, onExists, routes []byte) error {
-	protos := []int{unix.NETLINK_NETFILTER}
-	if len(routes) > 0 {
-		protos = append(protos, unix.NETLINK_ROUTE)
-	}
-	socks, err := Dial(fd, protos...)
-	if err != nil {
-		return err
-	}
-	defer CloseAll(socks)
-	return sendOn(socks, tables, onExists, routes)
+	return onSockets(fd, Protos(&Batch{Routes: routes}), func(socks []int) error { return sendOn(socks, tables, onExists, routes) })
 }
 
 func sendOn(socks []int, tables, onExists, routes []byte) error {
-	if want := 1 + min(len(routes), 1); len(socks) != want {
+	if want := len(Protos(&Batch{Routes: routes})); len(socks) != want {
 		return fmt.Errorf("%d netlink sockets for a batch that needs %d", len(socks), want)
 	}
 	err := talk(socks[0], tables, nil)
@@ -153,27 +150,20 @@ func CheckSockets(fd int, socks []int, protos []int) error {
 
 // Remove deletes what r names; whatever is already gone is not an error.
 func Remove(fd int, r *Removal) error {
-	protos := []int{unix.NETLINK_NETFILTER}
-	if len(r.Routes) > 0 {
-		protos = append(protos, unix.NETLINK_ROUTE)
-	}
-	socks, err := Dial(fd, protos...)
-	if err != nil {
-		return err
-	}
-	defer CloseAll(socks)
-	var errs []error
-	for _, t := range r.Tables {
-		if err := talk(socks[0], t, gone); err != nil {
-			errs = append(errs, fmt.Errorf("deleting a table: %w", err))
+	return onSockets(fd, Protos(&Batch{Routes: r.Routes}), func(socks []int) error {
+		var errs []error
+		for _, t := range r.Tables {
+			if err := talk(socks[0], t, gone); err != nil {
+				errs = append(errs, fmt.Errorf("deleting a table: %w", err))
+			}
 		}
-	}
-	if len(r.Routes) > 0 {
-		if err := talk(socks[1], r.Routes, gone); err != nil {
-			errs = append(errs, fmt.Errorf("deleting policy routes: %w", err))
+		if len(r.Routes) > 0 {
+			if err := talk(socks[1], r.Routes, gone); err != nil {
+				errs = append(errs, fmt.Errorf("deleting policy routes: %w", err))
+			}
 		}
-	}
-	return errors.Join(errs...)
+		return errors.Join(errs...)
+	})
 }
 
 // SpliceReplace puts the replace messages right after the batch begin of

@@ -92,13 +92,7 @@ func (c *Conn) Close() error {
 }
 
 // Send writes one message, with fd attached when it is not nil.
-func (c *Conn) Send(m *Message, fd *os.File) error {
-	b, err := Encode(m)
-	if err != nil {
-		return err
-	}
-	return c.SendBytes(b, fd, m.Kind)
-}
+func (c *Conn) Send(m *Message, fd *os.File) error { return c.SendWith(m, fdsOf(fd)) }
 
 // SendWith writes one message with fds attached (none when empty): the
 // agent's decision carries the pod's netlink sockets.
@@ -113,11 +107,14 @@ func (c *Conn) SendWith(m *Message, fds []int) error {
 // SendBytes writes one encoded message of kind (for errors), with fd
 // attached when it is not nil.
 func (c *Conn) SendBytes(b []byte, fd *os.File, kind Kind) error {
-	var fds []int
-	if fd != nil {
-		fds = []int{int(fd.Fd())}
+	return c.sendBytes(b, fdsOf(fd), kind)
+}
+
+func fdsOf(f *os.File) []int {
+	if f == nil {
+		return nil
 	}
-	return c.sendBytes(b, fds, kind)
+	return []int{int(f.Fd())}
 }
 
 func (c *Conn) sendBytes(b []byte, fds []int, kind Kind) error {
@@ -150,8 +147,8 @@ var ErrTooLarge = errors.New("message exceeds the size limit")
 // closes it). io.EOF means the peer closed. Extra descriptors are closed
 // here, so a hostile peer cannot make us leak them.
 func (c *Conn) Recv() (*Message, *os.File, error) {
-	b, fs, err := c.RecvBytes()
-	if err == nil && len(fs) > 1 {
+	b, fds, err := c.RecvBytes()
+	if err == nil && len(fds) > 1 {
 		err = errors.New("message carried more than one descriptor")
 	}
 	var m *Message
@@ -159,26 +156,28 @@ func (c *Conn) Recv() (*Message, *os.File, error) {
 		m, err = Decode(b)
 	}
 	if err != nil {
-		CloseFiles(fs)
+		CloseAll(fds)
 		return nil, nil, err
 	}
 	var f *os.File
-	if len(fs) == 1 {
-		f = fs[0]
+	if len(fds) == 1 {
+		f = os.NewFile(uintptr(fds[0]), "netns")
 	}
 	return m, f, nil
 }
 
-// CloseFiles closes what RecvBytes handed over.
-func CloseFiles(fs []*os.File) {
-	for _, f := range fs {
-		f.Close()
+// CloseAll closes descriptors RecvBytes handed over.
+func CloseAll(fds []int) {
+	for _, fd := range fds {
+		unix.Close(fd)
 	}
 }
 
 // RecvBytes is Recv without decoding the message, with every descriptor
-// that came with it (at most maxFDs; the caller closes them).
-func (c *Conn) RecvBytes() ([]byte, []*os.File, error) {
+// that came with it (at most maxFDs; the caller closes them). They stay
+// plain descriptors: the plugin writes on its sockets with raw calls, and
+// an os.File costs a syscall and a cleanup for each.
+func (c *Conn) RecvBytes() ([]byte, []int, error) {
 	size, err := c.nextSize()
 	if err != nil {
 		return nil, nil, err
@@ -195,13 +194,8 @@ func (c *Conn) RecvBytes() ([]byte, []*os.File, error) {
 		})
 	}
 	fds, perr := unixsock.Rights(oob[:oobn])
-	closeAll := func() {
-		for _, fd := range fds {
-			unix.Close(fd)
-		}
-	}
 	if err != nil {
-		closeAll()
+		CloseAll(fds)
 		return nil, nil, timeout(err)
 	}
 	if n == 0 && oobn == 0 {
@@ -216,14 +210,10 @@ func (c *Conn) RecvBytes() ([]byte, []*os.File, error) {
 		err = fmt.Errorf("message carried more than %d descriptors", maxFDs)
 	}
 	if err != nil {
-		closeAll()
+		CloseAll(fds)
 		return nil, nil, err
 	}
-	var fs []*os.File
-	for _, fd := range fds {
-		fs = append(fs, os.NewFile(uintptr(fd), "received"))
-	}
-	return buf[:n], fs, nil
+	return buf[:n], fds, nil
 }
 
 // nextSize waits for the next message (within the deadline) and returns
