@@ -21,6 +21,8 @@ import (
 	"github.com/nftcni/nftcni/conflist"
 	"github.com/nftcni/nftcni/integration/containerdtest"
 	"github.com/nftcni/nftcni/internal/testnet"
+	"github.com/nftcni/nftcni/internal/unixsock"
+	"github.com/nftcni/nftcni/plugin/wire"
 )
 
 // BenchmarkCNIAdd measures what nftcni adds to a pod's CNI ADD: the same
@@ -148,13 +150,8 @@ func respondAtOnce(b *testing.B) string {
 				if err != nil {
 					return
 				}
-				if msgs, err := unix.ParseSocketControlMessage(oob[:oobn]); err == nil && len(msgs) == 1 {
-					if fds, err := unix.ParseUnixRights(&msgs[0]); err == nil {
-						for _, fd := range fds {
-							unix.Close(fd)
-						}
-					}
-				}
+				fds, _ := unixsock.Rights(oob[:oobn])
+				wire.CloseAll(fds)
 				if _, err := c.Write(answer); err == nil {
 					_, _ = c.Read(buf) // until the plugin closes
 				}

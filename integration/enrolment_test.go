@@ -22,6 +22,7 @@ import (
 
 	"github.com/nftcni/nftcni/agent/zds"
 	"github.com/nftcni/nftcni/internal/testnet"
+	"github.com/nftcni/nftcni/internal/unixsock"
 	"github.com/nftcni/nftcni/internal/ztunneltest"
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
@@ -467,14 +468,7 @@ func (r *relay) pipe(src, dst *net.UnixConn, fromAgent bool) {
 		if err != nil || n == 0 {
 			return
 		}
-		var fds []int
-		if msgs, perr := unix.ParseSocketControlMessage(oob[:oobn]); perr == nil {
-			for i := range msgs {
-				if got, ferr := unix.ParseUnixRights(&msgs[i]); ferr == nil {
-					fds = append(fds, got...)
-				}
-			}
-		}
+		fds, _ := unixsock.Rights(oob[:oobn])
 		kind := "?"
 		if m, err := wire.Decode(buf[:n]); err == nil {
 			kind = string(m.Kind)
@@ -489,9 +483,7 @@ func (r *relay) pipe(src, dst *net.UnixConn, fromAgent bool) {
 		r.seq = append(r.seq, kind)
 		r.mu.Unlock()
 		_, _, err = dst.WriteMsgUnix(buf[:n], pass, nil)
-		for _, fd := range fds {
-			unix.Close(fd) // passed on: the relay keeps none
-		}
+		wire.CloseAll(fds) // passed on: the relay keeps none
 		if err != nil {
 			return
 		}
