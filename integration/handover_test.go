@@ -293,7 +293,7 @@ func testHandover(t *testing.T, kube *kubetest.Server, subnet, count int, nftabl
 		}
 		got, err := testnet.Accept(t, app, 2*time.Second)
 		c.Close()
-		if err != nil || got.Remote.Addr() != istio.ProbeSNATv4 {
+		if err != nil || got.Remote.Addr() != nft.ProbeSNATv4 {
 			t.Errorf("probe of %s from the host: %+v %v, want it from %s", h.names[i], got, err, istio.ProbeSNATv4)
 		}
 		app.Close()

@@ -9,8 +9,6 @@
 // numbers in nft.
 package istio
 
-import "net/netip"
-
 // Ambient enrolment: labels and annotations on pods and namespaces.
 const (
 	LabelDataplaneMode = "istio.io/dataplane-mode"
@@ -106,8 +104,10 @@ const (
 var SidecarExcludedInbound = []uint16{15020, 15021, 15090}
 
 // Probe SNAT addresses: kubelet's probes to ambient pods come from these,
-// so the pod's ruleset can let them past ztunnel.
-var (
-	ProbeSNATv4 = netip.MustParseAddr("169.254.7.127")
-	ProbeSNATv6 = netip.MustParseAddr("fd16:9254:7127:1337:ffff:ffff:ffff:ffff")
+// so the pod's ruleset can let them past ztunnel. Text, as every fact
+// here: the plugin links this package, and net/netip's init would cost
+// each of its execs page faults (package nft has them parsed).
+const (
+	ProbeSNATv4 = "169.254.7.127"
+	ProbeSNATv6 = "fd16:9254:7127:1337:ffff:ffff:ffff:ffff"
 )

@@ -78,9 +78,9 @@ func Ambient(s AmbientSpec) *Ruleset {
 	fams := families(s.IPv6)
 	snat := func(v4 bool) netip.Prefix {
 		if v4 {
-			return netip.PrefixFrom(istio.ProbeSNATv4, 32)
+			return netip.PrefixFrom(ProbeSNATv4, 32)
 		}
-		return netip.PrefixFrom(istio.ProbeSNATv6, 128)
+		return netip.PrefixFrom(ProbeSNATv6, 128)
 	}
 	notZtunnel := Mark(Neq, istio.MarkMask, istio.ZtunnelMark)
 

@@ -22,6 +22,13 @@ const (
 	prioSrcNAT = 100
 )
 
+// The probe SNAT addresses (istio.ProbeSNATv4, istio.ProbeSNATv6) as the
+// rulesets use them.
+var (
+	ProbeSNATv4 = netip.MustParseAddr(istio.ProbeSNATv4)
+	ProbeSNATv6 = netip.MustParseAddr(istio.ProbeSNATv6)
+)
+
 // Member is one enrolled pod in the host probe set.
 type Member struct {
 	UID string
@@ -59,9 +66,9 @@ func HostProbe(ipv6 bool, members []Member) *Ruleset {
 		}
 	}
 	t.base(hostPost, nftables.ChainTypeNAT, nftables.ChainHookPostrouting, prioSrcNAT)
-	t.add(hostPost, L4(TCP), AddrInSet(false, true, probeSetV4), LocalSocket(), Counter(), SNAT(istio.ProbeSNATv4))
+	t.add(hostPost, L4(TCP), AddrInSet(false, true, probeSetV4), LocalSocket(), Counter(), SNAT(ProbeSNATv4))
 	if ipv6 {
-		t.add(hostPost, L4(TCP), AddrInSet(false, false, probeSetV6), LocalSocket(), Counter(), SNAT(istio.ProbeSNATv6))
+		t.add(hostPost, L4(TCP), AddrInSet(false, false, probeSetV6), LocalSocket(), Counter(), SNAT(ProbeSNATv6))
 	}
 	return &Ruleset{Tables: []*Table{t}}
 }

@@ -100,19 +100,19 @@ func TestAmbientTraffic(t *testing.T) {
 func TestProbeSourceIsNotCaptured(t *testing.T) {
 	testnet.RequireRoot(t)
 	p := testnet.NewPair(t, 11)
-	testnet.IP(t, "-n", p.Node.Name, "addr", "add", istio.ProbeSNATv4.String()+"/32", "dev", p.NodeIfc)
-	testnet.IP(t, "-n", p.Node.Name, "addr", "add", istio.ProbeSNATv6.String()+"/128", "dev", p.NodeIfc, "nodad")
-	testnet.IP(t, "-n", p.Pod.Name, "route", "add", istio.ProbeSNATv4.String(), "dev", p.PodIfc)
+	testnet.IP(t, "-n", p.Node.Name, "addr", "add", istio.ProbeSNATv4+"/32", "dev", p.NodeIfc)
+	testnet.IP(t, "-n", p.Node.Name, "addr", "add", istio.ProbeSNATv6+"/128", "dev", p.NodeIfc, "nodad")
+	testnet.IP(t, "-n", p.Pod.Name, "route", "add", istio.ProbeSNATv4, "dev", p.PodIfc)
 	if err := Apply(p.Pod.FD, Ambient(AmbientSpec{DNSCapture: true, IPv6: true})); err != nil {
 		t.Fatal(err)
 	}
 	standIn(t, p.Pod, false)
 	app := p.Pod.Listen(t, ":8080", false)
-	a := mustLand(t, p.Node, hostport(p.PodIP4, 8080), testnet.DialOpts{Source: istio.ProbeSNATv4}, app, "probe v4")
-	if a.Remote.Addr() != istio.ProbeSNATv4 {
+	a := mustLand(t, p.Node, hostport(p.PodIP4, 8080), testnet.DialOpts{Source: ProbeSNATv4}, app, "probe v4")
+	if a.Remote.Addr() != ProbeSNATv4 {
 		t.Errorf("probe arrived from %v", a.Remote)
 	}
-	mustLand(t, p.Node, hostport(p.PodIP6, 8080), testnet.DialOpts{Source: istio.ProbeSNATv6}, app, "probe v6")
+	mustLand(t, p.Node, hostport(p.PodIP6, 8080), testnet.DialOpts{Source: ProbeSNATv6}, app, "probe v6")
 }
 
 func TestIngressBypass(t *testing.T) {
@@ -210,8 +210,8 @@ func TestHostProbeSNAT(t *testing.T) {
 	if err := ps.Update(nil, []Element{{Addr: p.PodIP4, Comment: uid}, {Addr: p.PodIP6, Comment: uid}}); err != nil {
 		t.Fatal(err)
 	}
-	check(p.PodIP4, istio.ProbeSNATv4, "enrolled v4")
-	check(p.PodIP6, istio.ProbeSNATv6, "enrolled v6")
+	check(p.PodIP4, ProbeSNATv4, "enrolled v4")
+	check(p.PodIP6, ProbeSNATv6, "enrolled v6")
 	want := HostProbe(true, []Member{{UID: uid, IPs: []netip.Addr{p.PodIP4, p.PodIP6}}})
 	if err := Verify(p.Node.FD, want); err != nil {
 		t.Fatalf("host table after add: %v", err)

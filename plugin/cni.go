@@ -1,14 +1,13 @@
 package plugin
 
 import (
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"slices"
+	"strconv"
 	"strings"
 
-	"github.com/containernetworking/cni/pkg/types"
 	"github.com/tidwall/gjson"
 )
 
@@ -22,7 +21,55 @@ import (
 // for every pod sandbox, so it checks here what skel checks that matters
 // to a chained plugin: the variables each verb needs, container IDs,
 // interface and network names the runtime cannot have meant, and the
-// cniVersion each verb requires.
+// cniVersion each verb requires. Its errors are the spec's error results,
+// written here too: containernetworking/cni's types package links package
+// net, whose inits cost every exec about 11 page faults.
+
+// Error is a CNI error result: the spec's code, message and details.
+type Error struct {
+	Code    uint
+	Msg     string
+	Details string
+}
+
+// The spec's error codes the plugin returns.
+const (
+	ErrIncompatibleCNIVersion      uint = 1
+	ErrInvalidEnvironmentVariables uint = 4
+	ErrIOFailure                   uint = 5
+	ErrDecodingFailure             uint = 6
+	ErrInvalidNetworkConfig        uint = 7
+	ErrTryAgainLater               uint = 11
+	ErrPluginNotAvailable          uint = 50
+	ErrInternal                    uint = 999
+)
+
+func newError(code uint, msg, details string) *Error {
+	return &Error{Code: code, Msg: msg, Details: details}
+}
+
+// Error reads as libcni's Error does.
+func (e *Error) Error() string {
+	if e.Details == "" {
+		return e.Msg
+	}
+	return e.Msg + "; " + e.Details
+}
+
+// appendJSON appends the error result for a config of cniVersion v.
+func (e *Error) appendJSON(b []byte, v string) []byte {
+	b = append(b, `{"cniVersion":`...)
+	b = gjson.AppendJSONString(b, v)
+	b = append(b, `,"code":`...)
+	b = strconv.AppendUint(b, uint64(e.Code), 10)
+	b = append(b, `,"msg":`...)
+	b = gjson.AppendJSONString(b, e.Msg)
+	if e.Details != "" {
+		b = append(b, `,"details":`...)
+		b = gjson.AppendJSONString(b, e.Details)
+	}
+	return append(b, "}\n"...)
+}
 
 // Args are one invocation's inputs.
 type Args struct {
@@ -89,15 +136,11 @@ func (p *Plugin) Main(getenv func(string) string, stdin io.Reader, stdout, stder
 	if err == nil {
 		return 0
 	}
-	var e *types.Error
+	var e *Error
 	if !errors.As(err, &e) {
-		e = types.NewError(types.ErrInternal, err.Error(), "")
+		e = newError(ErrInternal, err.Error(), "")
 	}
-	b, _ := json.Marshal(struct {
-		CNIVersion string `json:"cniVersion"`
-		*types.Error
-	}{specVersion, e})
-	_, _ = stdout.Write(append(b, '\n'))
+	_, _ = stdout.Write(e.appendJSON(nil, specVersion))
 	return 1
 }
 
@@ -114,7 +157,7 @@ func (p *Plugin) run(a *Args, stdout io.Writer) error {
 	case "STATUS":
 		return p.Status(a)
 	}
-	return types.NewError(types.ErrInvalidEnvironmentVariables, "unknown CNI_COMMAND: "+a.Command, "")
+	return newError(ErrInvalidEnvironmentVariables, "unknown CNI_COMMAND: "+a.Command, "")
 }
 
 // parseArgs reads the environment and stdin, and checks what skel checks.
@@ -128,10 +171,10 @@ func parseArgs(cmd string, getenv func(string) string, stdin io.Reader) (*Args, 
 		}
 	}
 	if len(missing) > 0 {
-		return nil, types.NewError(types.ErrInvalidEnvironmentVariables, fmt.Sprintf("required env variables [%s] missing", strings.Join(missing, ",")), "")
+		return nil, newError(ErrInvalidEnvironmentVariables, fmt.Sprintf("required env variables [%s] missing", strings.Join(missing, ",")), "")
 	}
 	if requiredFor("CNI_CONTAINERID", cmd) && !validName(a.ContainerID) {
-		return nil, types.NewError(types.ErrInvalidEnvironmentVariables, "invalid characters in containerID", a.ContainerID)
+		return nil, newError(ErrInvalidEnvironmentVariables, "invalid characters in containerID", a.ContainerID)
 	}
 	if requiredFor("CNI_IFNAME", cmd) {
 		if err := validIfName(a.IfName); err != nil {
@@ -140,29 +183,29 @@ func parseArgs(cmd string, getenv func(string) string, stdin io.Reader) (*Args, 
 	}
 	var err error
 	if a.StdinData, err = io.ReadAll(stdin); err != nil {
-		return nil, types.NewError(types.ErrIOFailure, fmt.Sprintf("error reading from stdin: %v", err), "")
+		return nil, newError(ErrIOFailure, fmt.Sprintf("error reading from stdin: %v", err), "")
 	}
 	root := gjson.ParseBytes(a.StdinData) // one pass for both fields (ValidBytes is another)
 	if !gjson.ValidBytes(a.StdinData) || !root.IsObject() {
-		return nil, types.NewError(types.ErrDecodingFailure, "error unmarshall network config: not a JSON object", "")
+		return nil, newError(ErrDecodingFailure, "error unmarshall network config: not a JSON object", "")
 	}
 	name := root.Get("name").String()
 	if name == "" {
-		return nil, types.NewError(types.ErrInvalidNetworkConfig, "missing network name", "")
+		return nil, newError(ErrInvalidNetworkConfig, "missing network name", "")
 	}
 	if !validName(name) {
-		return nil, types.NewError(types.ErrInvalidNetworkConfig, "invalid characters found in network name", name)
+		return nil, newError(ErrInvalidNetworkConfig, "invalid characters found in network name", name)
 	}
 	v := root.Get("cniVersion").String()
 	if v == "" {
 		v = "0.1.0" // the spec's meaning of an absent cniVersion
 	}
 	if !slices.Contains(supportedVersions[:], v) {
-		return nil, types.NewError(types.ErrIncompatibleCNIVersion, "incompatible CNI versions",
+		return nil, newError(ErrIncompatibleCNIVersion, "incompatible CNI versions",
 			fmt.Sprintf("config is %q, plugin supports %v", v, supportedVersions[:]))
 	}
 	if slices.Index(supportedVersions[:], v) < slices.Index(supportedVersions[:], minVersion(cmd)) {
-		return nil, types.NewError(types.ErrIncompatibleCNIVersion, fmt.Sprintf("config version does not allow %s", cmd), "")
+		return nil, newError(ErrIncompatibleCNIVersion, fmt.Sprintf("config version does not allow %s", cmd), "")
 	}
 	return a, nil
 }
@@ -186,7 +229,7 @@ func validName(s string) bool {
 // validIfName is the kernel's rule for interface names, as skel checks it.
 func validIfName(s string) error {
 	bad := func(why string) error {
-		return types.NewError(types.ErrInvalidEnvironmentVariables, "interface name "+why, s)
+		return newError(ErrInvalidEnvironmentVariables, "interface name "+why, s)
 	}
 	switch {
 	case s == "":

@@ -3,8 +3,6 @@ package plugin
 import (
 	"errors"
 	"fmt"
-	"log/slog"
-	"net/netip"
 	"path/filepath"
 	"strings"
 
@@ -48,7 +46,7 @@ type Config struct {
 	// capability; nil when absent.
 	PodAnnotations map[string]string
 
-	level slog.Level
+	level level
 	prev  *result
 }
 
@@ -134,13 +132,13 @@ func ParseConfig(stdin []byte) (*Config, error) {
 	c.RunDir = filepath.Clean(c.RunDir)
 	switch strings.ToLower(c.LogLevel) {
 	case "debug":
-		c.level = slog.LevelDebug
+		c.level = levelDebug
 	case "", "info":
-		c.level = slog.LevelInfo
+		c.level = levelInfo
 	case "warn", "warning":
-		c.level = slog.LevelWarn
+		c.level = levelWarn
 	case "error":
-		c.level = slog.LevelError
+		c.level = levelError
 	default:
 		return nil, fmt.Errorf("plugin_log_level %q: want debug, info, warn or error", c.LogLevel)
 	}
@@ -186,37 +184,38 @@ type result struct {
 }
 
 type resultIP struct {
-	address netip.Prefix
+	// address is the CIDR as the result gives it. The plugin does not parse
+	// it (net/netip's init would cost every exec page faults); the agent
+	// does, and drops what is not an address.
+	address string
 	ifname  string // "" when the address names no interface
 	bad     bool   // names an interface the result does not list
 }
 
 func parseResult(p gjson.Result) (*result, error) {
-	var ifnames []string
-	for _, i := range p.Get("interfaces").Array() {
-		ifnames = append(ifnames, i.Get("name").String())
-	}
-	r := &result{}
 	ips := p.Get("ips")
 	if ips.Exists() && !ips.IsArray() && ips.Type != gjson.Null {
 		return nil, fmt.Errorf("ips: want a list, have %s", ips.Raw)
 	}
-	for _, ip := range ips.Array() {
-		addr, err := netip.ParsePrefix(ip.Get("address").String())
-		if err != nil {
-			continue // not an address we could capture for
-		}
-		e := resultIP{address: netip.PrefixFrom(addr.Addr().Unmap(), addr.Bits())}
+	ifaces := p.Get("interfaces")
+	r := &result{}
+	ips.ForEach(func(_, ip gjson.Result) bool {
+		e := resultIP{address: ip.Get("address").String()}
 		if i := ip.Get("interface"); i.Exists() && i.Type != gjson.Null {
-			n := int(i.Int())
-			if i.Type != gjson.Number || n < 0 || n >= len(ifnames) {
-				e.bad = true
-			} else {
-				e.ifname = ifnames[n]
+			e.bad = true
+			if n := i.Int(); i.Type == gjson.Number && n >= 0 {
+				ifaces.ForEach(func(_, iface gjson.Result) bool {
+					if n--; n >= 0 {
+						return true
+					}
+					e.ifname, e.bad = iface.Get("name").String(), false
+					return false
+				})
 			}
 		}
 		r.ips = append(r.ips, e)
-	}
+		return true
+	})
 	return r, nil
 }
 
@@ -257,11 +256,11 @@ func parseK8sArgs(s string) (*K8sArgs, error) {
 
 // podIPs lists the addresses prevResult gives the sandbox interface ifname
 // (or no interface at all, as some IPAMs report them).
-func podIPs(r *result, ifname string) []netip.Prefix {
+func podIPs(r *result, ifname string) []string {
 	if r == nil {
 		return nil
 	}
-	var out []netip.Prefix
+	var out []string
 	for _, ip := range r.ips {
 		if !ip.bad && (ip.ifname == "" || ip.ifname == ifname) {
 			out = append(out, ip.address)

@@ -1,7 +1,6 @@
 package plugin
 
 import (
-	"net/netip"
 	"reflect"
 	"strings"
 	"testing"
@@ -24,7 +23,7 @@ func TestParseConfig(t *testing.T) {
 		t.Fatal("no prevResult")
 	}
 	// Only the sandbox interface's addresses, and ones with no interface.
-	want := []netip.Prefix{netip.MustParsePrefix("10.88.0.5/24"), netip.MustParsePrefix("fd00::5/64")}
+	want := []string{"10.88.0.5/24", "fd00::5/64"}
 	if got := podIPs(r, "eth0"); !reflect.DeepEqual(got, want) {
 		t.Errorf("podIPs = %v, want %v", got, want)
 	}
@@ -48,14 +47,16 @@ func TestParseConfig(t *testing.T) {
 	}
 }
 
+// The plugin passes addresses on as the result gives them (the agent
+// parses them); one on an interface the result does not list, or not the
+// sandbox's, is not the pod's.
 func TestPodIPsOutOfRangeInterface(t *testing.T) {
-	c, err := ParseConfig([]byte(`{"prevResult":{"ips":[{"interface":7,"address":"10.0.0.1/24"},{"address":"not an address"}]}}`))
+	c, err := ParseConfig([]byte(`{"prevResult":{"interfaces":[{"name":"eth0"},{"name":"veth1"}],"ips":[{"interface":7,"address":"10.0.0.1/24"},{"interface":-1,"address":"10.0.0.2/24"},{"interface":"0","address":"10.0.0.3/24"},{"interface":1,"address":"10.0.0.4/24"},{"interface":0,"address":"10.0.0.5/24"}]}}`))
 	if err != nil {
 		t.Fatal(err)
 	}
-	r := c.prevResult()
-	if got := podIPs(r, "eth0"); len(got) != 0 {
-		t.Errorf("address on a missing interface, or not an address, counted: %v", got)
+	if got := podIPs(c.prevResult(), "eth0"); !reflect.DeepEqual(got, []string{"10.0.0.5/24"}) {
+		t.Errorf("podIPs = %v, want only the address on eth0", got)
 	}
 }
 

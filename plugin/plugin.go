@@ -22,13 +22,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"log/slog"
 	"os"
 	"slices"
 	"strings"
 	"time"
 
-	"github.com/containernetworking/cni/pkg/types"
 	"golang.org/x/sys/unix"
 
 	"github.com/nftcni/nftcni/nft/nlsend"
@@ -54,31 +52,26 @@ type call struct {
 	args  *Args
 	k8s   *K8sArgs
 	recs  records
-	lg    *slog.Logger // made on first use: see logger
 	agent *wire.Conn
 	began time.Time
 }
 
-// logger is the call's logger, made the first time something is logged:
-// a JSON slog handler's first use costs an exec'd process page faults, and
-// a successful ADD logs nothing (its timings ride its outcome).
-func (c *call) logger() *slog.Logger {
-	if c.lg == nil {
-		c.lg = newLogger(c.conf.level, &c.recs).With("containerID", c.args.ContainerID)
-		if c.k8s != nil && c.k8s.K8S_POD_NAMESPACE != "" {
-			c.lg = c.lg.With("pod", c.k8s.K8S_POD_NAMESPACE+"/"+c.k8s.K8S_POD_NAME)
-		}
+// log records one message at lvl, with the call's identity, when the
+// entry's plugin_log_level lets it through. A successful ADD logs nothing
+// at the default level (its timings ride its outcome).
+func (c *call) log(lvl level, msg string, args ...any) {
+	if lvl < c.conf.level {
+		return
 	}
-	return c.lg
+	pod := ""
+	if c.k8s != nil && c.k8s.K8S_POD_NAMESPACE != "" {
+		pod = c.k8s.K8S_POD_NAMESPACE + "/" + c.k8s.K8S_POD_NAME
+	}
+	c.recs.add(time.Now(), lvl, msg, c.args.ContainerID, pod, args)
 }
 
-func (c *call) debug(msg string, args ...any) {
-	if c.conf.level <= slog.LevelDebug {
-		c.logger().Debug(msg, args...)
-	}
-}
-func (c *call) info(msg string, args ...any) { c.logger().Info(msg, args...) }
-func (c *call) warn(msg string, args ...any) { c.logger().Warn(msg, args...) }
+func (c *call) debug(msg string, args ...any) { c.log(levelDebug, msg, args...) }
+func (c *call) warn(msg string, args ...any)  { c.log(levelWarn, msg, args...) }
 
 // since is the time from the call's start, in ms, for log records.
 func (c *call) since() float64 { return float64(time.Since(c.began).Microseconds()) / 1000 }
@@ -86,12 +79,12 @@ func (c *call) since() float64 { return float64(time.Since(c.began).Microseconds
 func (p *Plugin) start(args *Args) (*call, error) {
 	conf, err := ParseConfig(args.StdinData)
 	if err != nil {
-		return nil, types.NewError(types.ErrInvalidNetworkConfig, "nftcni: "+err.Error(), "")
+		return nil, newError(ErrInvalidNetworkConfig, "nftcni: "+err.Error(), "")
 	}
 	c := &call{p: p, conf: conf, args: args, began: time.Now()}
 	if c.k8s, err = parseK8sArgs(args.Args); err != nil {
 		c.finish()
-		return nil, types.NewError(types.ErrInvalidEnvironmentVariables, "nftcni: "+err.Error(), "")
+		return nil, newError(ErrInvalidEnvironmentVariables, "nftcni: "+err.Error(), "")
 	}
 	return c, nil
 }
@@ -133,6 +126,14 @@ func fitLogs(recs []json.RawMessage) int {
 
 // passThrough says why this call needs nothing from nftcni, or "".
 func (c *call) passThrough() string {
+	if why := c.excluded(); why != "" {
+		return why
+	}
+	return c.hostNetwork()
+}
+
+// excluded is passThrough as far as the call's arguments and config tell.
+func (c *call) excluded() string {
 	ns, name := c.k8s.K8S_POD_NAMESPACE, c.k8s.K8S_POD_NAME
 	switch {
 	case ns == "" || name == "":
@@ -141,7 +142,14 @@ func (c *call) passThrough() string {
 		return "namespace " + ns + " is excluded"
 	case c.conf.PodNamespace != "" && ns == c.conf.PodNamespace && strings.HasPrefix(name, AgentPodPrefix):
 		return "the nftcni agent's own pod"
-	case c.args.Netns != "" && sameNetns(c.args.Netns, "/proc/self/ns/net"):
+	}
+	return ""
+}
+
+// hostNetwork says "host network" when the sandbox is in the node's own
+// netns (two stats: ADD asks it after connecting to the agent).
+func (c *call) hostNetwork() string {
+	if c.args.Netns != "" && sameNetns(c.args.Netns, "/proc/self/ns/net") {
 		return "host network"
 	}
 	return ""
@@ -189,15 +197,15 @@ func (c *call) dial() error {
 	return nil
 }
 
-// ask sends m (with fd when not nil) and returns the agent's reply, which
-// must be of kind want; an error reply becomes an error.
-func (c *call) ask(m *wire.Message, fd *os.File, want wire.Kind) (*wire.Message, error) {
+// ask sends m (with the descriptors in fds) and returns the agent's
+// reply, which must be of kind want; an error reply becomes an error.
+func (c *call) ask(m *wire.Message, fds []int, want wire.Kind) (*wire.Message, error) {
 	if c.agent == nil {
 		if err := c.dial(); err != nil {
 			return nil, err
 		}
 	}
-	if err := c.agent.Send(m, fd); err != nil {
+	if err := c.agent.SendWith(m, fds); err != nil {
 		return nil, err
 	}
 	r, rfd, err := c.agent.Recv()
@@ -230,14 +238,24 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 	defer c.finish()
 	defer func() {
 		if err != nil {
-			c.logger().Error("ADD failed", "err", err)
+			c.log(levelError, "ADD failed", "err", err)
 		}
 	}()
 	prev := c.conf.prevResult()
 	if prev == nil {
 		return errors.New("nftcni: no prevResult: nftcni is a chained plugin and must come after the primary CNI plugin in the conflist")
 	}
-	if why := c.passThrough(); why != "" {
+	if why := c.excluded(); why != "" {
+		c.debug("passing through", "reason", why)
+		return c.printPrev(stdout)
+	}
+	// Connect before the rest of the add is put together: the agent, idle
+	// until now, takes longer to wake up for the connection (about 0.15 ms
+	// here) than the add takes to write, so its first wake-up overlaps this
+	// process's work instead of following it. An error is the add's answer
+	// (below), where the failure policy applies.
+	dialErr := c.dial()
+	if why := c.hostNetwork(); why != "" {
 		c.debug("passing through", "reason", why)
 		return c.printPrev(stdout)
 	}
@@ -246,7 +264,7 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 	if err != nil {
 		return fmt.Errorf("nftcni: opening the pod's netns: %w", err)
 	}
-	defer netns.Close()
+	defer unix.Close(netns)
 
 	// A pod whose annotations say it captures its own traffic (istio-init)
 	// needs nothing. A sidecar pod's ruleset is the agent's decision like
@@ -257,8 +275,12 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 		return c.printPrev(stdout)
 	}
 
-	r, socks, err := c.askLean(wire.AppendAdd(nil, pod), netns, wire.KindAdd, wire.KindDecision)
-	defer wire.CloseAll(socks)
+	var r *wire.Reply
+	var socks []int
+	if err = dialErr; err == nil {
+		r, socks, err = c.askLean(wire.AppendAdd(make([]byte, 0, 1024), pod), []int{netns}, wire.KindAdd, wire.KindDecision)
+		defer wire.CloseAll(socks)
+	}
 	if err != nil {
 		var refused *agentError
 		if errors.As(err, &refused) {
@@ -296,11 +318,11 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 // none (an older agent). A process that enters a netns itself pays, on
 // its first time, for the thread Go keeps for locked threads, the
 // netns switches and the sockets; the agent has all of that warm.
-func program(netns *os.File, b *nlsend.Batch, socks []int) error {
+func program(netns int, b *nlsend.Batch, socks []int) error {
 	if len(socks) == 0 {
-		return nlsend.Program(int(netns.Fd()), b)
+		return nlsend.Program(netns, b)
 	}
-	if err := nlsend.CheckSockets(int(netns.Fd()), socks, nlsend.Protos(b)); err != nil {
+	if err := nlsend.CheckSockets(netns, socks, nlsend.Protos(b)); err != nil {
 		return fmt.Errorf("the agent's netlink sockets: %w", err)
 	}
 	return nlsend.ProgramOn(socks, b)
@@ -309,13 +331,13 @@ func program(netns *os.File, b *nlsend.Batch, socks []int) error {
 // askLean is ask for the ADD's own messages, encoded and decoded without
 // encoding/json (package wire, lean.go). Descriptors come back only with
 // a decision (the pod's netlink sockets); the caller closes them.
-func (c *call) askLean(b []byte, fd *os.File, kind, want wire.Kind) (*wire.Reply, []int, error) {
+func (c *call) askLean(b []byte, fds []int, kind, want wire.Kind) (*wire.Reply, []int, error) {
 	if c.agent == nil {
 		if err := c.dial(); err != nil {
 			return nil, nil, err
 		}
 	}
-	if err := c.agent.SendBytes(b, fd, kind); err != nil {
+	if err := c.agent.SendBytes(b, fds, kind); err != nil {
 		return nil, nil, err
 	}
 	rb, fds, err := c.agent.RecvBytes()
@@ -364,26 +386,26 @@ func (c *call) wouldEnrol(pod *wire.Pod) (bool, string, error) {
 func (c *call) agentDown(pod *wire.Pod, cause error, stdout io.Writer) error {
 	sock := c.conf.SocketPath()
 	if inj, why := wire.SidecarInjection(pod.Annotations); inj == wire.Sidecar {
-		return types.NewError(types.ErrTryAgainLater,
+		return newError(ErrTryAgainLater,
 			fmt.Sprintf("nftcni: pod %s has an Istio sidecar (%s): its ruleset must exempt the proxy's UID and GID, which only the pod spec says "+
 				"and only the agent reads, and the nftcni agent at %s cannot be reached: %v; the pod will not start with a guessed UID, and the runtime will retry",
 				pod.Key(), why, sock, cause), "")
 	}
 	enrol, why, err := c.wouldEnrol(pod)
 	if errors.Is(err, errNoSnapshot) {
-		return types.NewError(types.ErrTryAgainLater,
+		return newError(ErrTryAgainLater,
 			fmt.Sprintf("nftcni: pod %s: the nftcni agent at %s cannot be reached (%v) and %v; the pod waits for the agent rather than start outside the mesh, and the runtime will retry",
 				pod.Key(), sock, cause, err), "")
 	}
 	if err != nil {
-		return types.NewError(types.ErrTryAgainLater,
+		return newError(ErrTryAgainLater,
 			fmt.Sprintf("nftcni: pod %s: the nftcni agent at %s cannot be reached (%v) and its policy snapshot is unreadable (%v)", pod.Key(), sock, cause, err), "")
 	}
 	if !enrol {
 		c.warn("agent unreachable; the policy snapshot does not enrol this pod, letting it through", "socket", sock, "reason", why, "err", cause)
 		return c.printPrev(stdout)
 	}
-	return types.NewError(types.ErrTryAgainLater,
+	return newError(ErrTryAgainLater,
 		fmt.Sprintf("nftcni: pod %s must be enrolled in the mesh (%s) but the nftcni agent at %s cannot be reached: %v; the pod will not start un-captured and the runtime will retry: check the nftcni-node pod on this node",
 			pod.Key(), why, sock, cause), "")
 }
@@ -405,7 +427,7 @@ func (p *Plugin) Del(args *Args) error {
 	}
 	if netns, err := openNetns(args.Netns); err == nil {
 		c.removeRules(netns)
-		netns.Close()
+		unix.Close(netns)
 	} else if args.Netns != "" && !errors.Is(err, os.ErrNotExist) {
 		c.warn("could not open the pod's netns", "netns", args.Netns, "err", err)
 	}
@@ -421,7 +443,7 @@ func (p *Plugin) Del(args *Args) error {
 // writes the snapshot before it installs this binary). Without a snapshot
 // no agent has run since boot, so this plugin, which programs only what an
 // agent encoded, has put nothing there.
-func (c *call) removeRules(netns *os.File) {
+func (c *call) removeRules(netns int) {
 	pol, err := wire.ReadPolicy(c.conf.PolicyPath())
 	switch {
 	case errors.Is(err, os.ErrNotExist):
@@ -433,7 +455,7 @@ func (c *call) removeRules(netns *os.File) {
 		c.warn("the agent's policy snapshot has no cleanup batch (written by an older agent?); the agent removes the rules, or they go with the netns")
 		return
 	}
-	if err := nlsend.Remove(int(netns.Fd()), pol.Cleanup); err != nil {
+	if err := nlsend.Remove(netns, pol.Cleanup); err != nil {
 		c.warn("could not remove the pod's rules; they go with the netns", "err", err)
 	}
 }
@@ -460,8 +482,8 @@ func (p *Plugin) Check(args *Args) (err error) {
 	if err != nil {
 		return fmt.Errorf("nftcni: opening the pod's netns: %w", err)
 	}
-	defer netns.Close()
-	_, err = c.ask(&wire.Message{Kind: wire.KindCheck, Pod: pod}, netns, wire.KindDone)
+	defer unix.Close(netns)
+	_, err = c.ask(&wire.Message{Kind: wire.KindCheck, Pod: pod}, []int{netns}, wire.KindDone)
 	var refused *agentError
 	switch {
 	case err == nil:
@@ -478,7 +500,7 @@ func (p *Plugin) Check(args *Args) (err error) {
 	if enrol, _, perr := c.wouldEnrol(pod); inj != wire.Sidecar && perr == nil && !enrol {
 		return nil
 	}
-	return types.NewError(types.ErrTryAgainLater, fmt.Sprintf("nftcni: pod %s: cannot verify its ruleset without the agent at %s: %v", pod.Key(), c.conf.SocketPath(), err), "")
+	return newError(ErrTryAgainLater, fmt.Sprintf("nftcni: pod %s: cannot verify its ruleset without the agent at %s: %v", pod.Key(), c.conf.SocketPath(), err), "")
 }
 
 // Status handles CNI STATUS: is the agent there to serve ADDs? It fails
@@ -498,7 +520,7 @@ func (p *Plugin) Status(args *Args) error {
 		c.debug("agent not ready; STATUS still succeeds (status_requires_agent is false)", "err", err)
 		return nil
 	}
-	return types.NewError(types.ErrPluginNotAvailable, fmt.Sprintf("nftcni agent at %s is not ready: %v", c.conf.SocketPath(), err), "")
+	return newError(ErrPluginNotAvailable, fmt.Sprintf("nftcni agent at %s is not ready: %v", c.conf.SocketPath(), err), "")
 }
 
 // GC handles CNI GC: the agent releases what it holds for attachments the
@@ -519,14 +541,15 @@ func (p *Plugin) GC(args *Args) error {
 	return nil
 }
 
-// openNetns opens a netns file as a blocking descriptor, which os.NewFile
-// never registers with the Go netpoller: os.Open would set the poller up
-// (an epoll instance, an eventfd, a registration the kernel refuses for a
-// nsfs file) in every plugin process for nothing.
-func openNetns(path string) (*os.File, error) {
+// openNetns opens a netns file as a plain descriptor, which the caller
+// closes. Not an os.File: os.Open would set the Go netpoller up (an epoll
+// instance, an eventfd, a registration the kernel refuses for a nsfs
+// file), and even os.NewFile attaches a cleanup, whose first use starts
+// the runtime's cleanup goroutine, in every plugin process for nothing.
+func openNetns(path string) (int, error) {
 	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC, 0)
 	if err != nil {
-		return nil, &os.PathError{Op: "open", Path: path, Err: err}
+		return -1, &os.PathError{Op: "open", Path: path, Err: err}
 	}
-	return os.NewFile(uintptr(fd), path), nil
+	return fd, nil
 }

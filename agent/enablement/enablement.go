@@ -200,7 +200,7 @@ func (d *Decision) Ruleset() (*nft.Ruleset, error) {
 // or the pod status); ip6 rules are made only for a pod that has an IPv6
 // address, because the v6 policy route cannot be added in a netns without
 // IPv6 and would fail the ADD for nothing.
-func (p *Policy) Decide(pod *corev1.Pod, ns *corev1.Namespace, ips []netip.Prefix) *Decision {
+func (p *Policy) Decide(pod *corev1.Pod, ns *corev1.Namespace, ips []string) *Decision {
 	none := func(why string) *Decision { return &Decision{Mode: wire.ModeNone, Reason: why} }
 	switch {
 	case pod.Spec.HostNetwork:
@@ -216,7 +216,7 @@ func (p *Policy) Decide(pod *corev1.Pod, ns *corev1.Namespace, ips []netip.Prefi
 	if !p.SelectorsMatch(pod, ns) {
 		return none("no enablement selector matches")
 	}
-	spec := nft.AmbientSpec{DNSCapture: p.cfg.DNSCapture, IPv6: p.cfg.IPv6 && wire.HasIPv6(ips)}
+	spec := nft.AmbientSpec{DNSCapture: p.cfg.DNSCapture, IPv6: p.cfg.IPv6 && hasIPv6(ips)}
 	if v, ok := pod.Annotations[istio.AnnDNSCapture]; ok {
 		if b, err := strconv.ParseBool(v); err == nil {
 			spec.DNSCapture = b
@@ -235,7 +235,7 @@ func (p *Policy) Decide(pod *corev1.Pod, ns *corev1.Namespace, ips []netip.Prefi
 
 // sidecar is istio-cni's sidecar path: the pod spec says whether the
 // injected proxy needs us, and how it runs.
-func (p *Policy) sidecar(pod *corev1.Pod, ips []netip.Prefix) *Decision {
+func (p *Policy) sidecar(pod *corev1.Pod, ips []string) *Decision {
 	none := func(why string) *Decision { return &Decision{Mode: wire.ModeNone, Reason: why} }
 	all := append(slices.Clone(pod.Spec.InitContainers), pod.Spec.Containers...)
 	var proxy *corev1.Container
@@ -273,7 +273,7 @@ func (p *Policy) sidecar(pod *corev1.Pod, ips []netip.Prefix) *Decision {
 		return none("DISABLE_ENVOY is set on istio-proxy")
 	}
 	px := nft.SidecarProxy{UID: istio.ProxyID, GID: istio.ProxyID, DNSCapture: env(istio.EnvDNSCapture),
-		DropInvalid: env(istio.EnvInvalidDrop), IPv6: wire.HasIPv6(ips)}
+		DropInvalid: env(istio.EnvInvalidDrop), IPv6: hasIPv6(ips)}
 	if sc := proxy.SecurityContext; sc != nil {
 		if sc.RunAsUser != nil && *sc.RunAsUser > 0 {
 			px.UID = uint32(*sc.RunAsUser)
@@ -284,4 +284,15 @@ func (p *Policy) sidecar(pod *corev1.Pod, ips []netip.Prefix) *Decision {
 	}
 	return &Decision{Mode: wire.ModeSidecar, Reason: "sidecar injected",
 		Sidecar: &SidecarDecision{Annotations: pod.Annotations, Proxy: px}}
+}
+
+// hasIPv6 says whether any of the pod's addresses (CIDR text, as package
+// wire carries them) is IPv6.
+func hasIPv6(ips []string) bool {
+	for _, s := range ips {
+		if p, err := netip.ParsePrefix(s); err == nil && p.Addr().Is6() && !p.Addr().Is4In6() {
+			return true
+		}
+	}
+	return false
 }

@@ -1,7 +1,6 @@
 package enablement
 
 import (
-	"net/netip"
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
@@ -23,8 +22,8 @@ func pod(namespace string, labels, ann map[string]string) *corev1.Pod {
 var (
 	ambientNS = ns("mesh", map[string]string{istio.LabelDataplaneMode: istio.DataplaneAmbient})
 	plainNS   = ns("plain", nil)
-	v4        = []netip.Prefix{netip.MustParsePrefix("10.0.0.5/24")}
-	dual      = append(v4, netip.MustParsePrefix("fd00::5/64"))
+	v4        = []string{"10.0.0.5/24"}
+	dual      = append(v4, "fd00::5/64")
 )
 
 func mustCompile(t *testing.T, c Config) *Policy {
@@ -159,5 +158,15 @@ func TestParseSelectors(t *testing.T) {
 	bad := []Selector{{PodSelector: &metav1.LabelSelector{MatchExpressions: []metav1.LabelSelectorRequirement{{Key: "a", Operator: "Sideways"}}}}}
 	if _, err := Compile(Config{Selectors: bad}); err == nil {
 		t.Error("an invalid operator compiled")
+	}
+}
+
+func TestHasIPv6(t *testing.T) {
+	v4 := []string{"10.0.0.1/24", "::ffff:10.0.0.2/120", "not an address"}
+	if hasIPv6(v4) {
+		t.Error("v4, v4-mapped or garbage counted as IPv6")
+	}
+	if !hasIPv6(append(v4, "fd00::1/64")) {
+		t.Error("fd00::1 not counted")
 	}
 }

@@ -461,10 +461,33 @@ func (e *Enroller) netnsAlive(p *pod) bool {
 	return !p.pathVisible || sameFile(p.id.Netns, p.netns)
 }
 
-func addrs(ips []netip.Prefix) []netip.Addr {
-	out := make([]netip.Addr, 0, len(ips))
-	for _, p := range ips {
-		out = append(out, p.Addr())
+// addrs are the addresses of a pod's CIDRs (package wire carries them as
+// text). Those that do not parse were dropped when the pod arrived
+// (canonical); records from disk are skipped over the same way.
+func addrs(cidrs []string) []netip.Addr {
+	out := make([]netip.Addr, 0, len(cidrs))
+	for _, s := range cidrs {
+		if p, err := netip.ParsePrefix(s); err == nil {
+			out = append(out, p.Addr())
+		}
+	}
+	return out
+}
+
+// canonical is a pod's CIDRs from its plugin as the agent keeps them: an
+// IPv4-mapped IPv6 address as the IPv4 one, and no entry that does not
+// parse (the plugin sends what the primary's result says, unchecked).
+func canonical(cidrs []string) []string {
+	out := make([]string, 0, len(cidrs))
+	for _, s := range cidrs {
+		p, err := netip.ParsePrefix(s)
+		switch {
+		case err != nil:
+		case p.Addr().Is4In6():
+			out = append(out, netip.PrefixFrom(p.Addr().Unmap(), max(p.Bits()-96, 0)).String())
+		default:
+			out = append(out, p.String())
+		}
 	}
 	return out
 }

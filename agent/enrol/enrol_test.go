@@ -266,7 +266,7 @@ func (r *rig) sandbox(ns, name, uid, ip string) (*wire.Pod, *os.File) {
 	}
 	r.t.Cleanup(func() { f.Close() })
 	r.netns[name] = f
-	return &wire.Pod{Namespace: ns, Name: name, UID: uid, Netns: path, IPs: []netip.Prefix{netip.MustParsePrefix(ip + "/32")},
+	return &wire.Pod{Namespace: ns, Name: name, UID: uid, Netns: path, IPs: []string{ip + "/32"},
 		Attachment: wire.Attachment{ContainerID: "c-" + name, IfName: "eth0"}}, f
 }
 
@@ -817,5 +817,17 @@ func TestHandoverRefusesIptablesLegacy(t *testing.T) {
 	r.expectNot("rules.Program", "rules.TakeOver", `annotate mesh/a=""`)
 	if r.dump("a") != "" || len(r.members()) != 0 {
 		t.Errorf("a legacy pod was enrolled: members %v, rules %q", r.members(), r.dump("a"))
+	}
+}
+
+// The plugin sends the primary's addresses unchecked; the agent keeps them
+// parsed and unmapped, and drops what is not an address.
+func TestCanonicalIPs(t *testing.T) {
+	got := canonical([]string{"10.0.0.5/24", "::ffff:10.0.0.6/120", "not an address", "fd00::1/64", ""})
+	if want := []string{"10.0.0.5/24", "10.0.0.6/24", "fd00::1/64"}; !slices.Equal(got, want) {
+		t.Errorf("canonical = %v, want %v", got, want)
+	}
+	if got := addrs(got); len(got) != 3 || got[1] != netip.MustParseAddr("10.0.0.6") {
+		t.Errorf("addrs = %v", got)
 	}
 }

@@ -83,6 +83,7 @@ func (e *Enroller) track(ctx context.Context, wp *wire.Pod, netns *os.File) (*po
 // Add runs a pod's ADD: the decision, and for a pod it enrols the one
 // enrolment, with the plugin programming the rules.
 func (e *Enroller) Add(ctx context.Context, wp *wire.Pod, netns *os.File, plugin events.Plugin) error {
+	wp.IPs = canonical(wp.IPs)
 	d, err := e.Decide(ctx, wp)
 	if err != nil {
 		return err
@@ -162,6 +163,7 @@ func (e *Enroller) uidTracked(uid string) bool {
 // Check verifies a pod's ruleset through the descriptor the plugin handed
 // over, against what the pod should have now.
 func (e *Enroller) Check(ctx context.Context, wp *wire.Pod, netns *os.File) error {
+	wp.IPs = canonical(wp.IPs)
 	d, err := e.Decide(ctx, wp)
 	if err != nil {
 		return err

@@ -189,7 +189,7 @@ func (e *Enroller) adoptIfEnrolled(ctx context.Context, kp *corev1.Pod) error {
 // find looks for a running pod's netns through the Finder and tracks it
 // as known. Its sandbox's container ID is unknown, so the attachment is
 // named after the pod UID.
-func (e *Enroller) find(kp *corev1.Pod, ips []netip.Prefix) (*pod, error) {
+func (e *Enroller) find(kp *corev1.Pod, ips []string) (*pod, error) {
 	if e.opts.Finder == nil {
 		return nil, errNoFinder
 	}
@@ -221,8 +221,8 @@ func (e *Enroller) find(kp *corev1.Pod, ips []netip.Prefix) (*pod, error) {
 
 var errNoFinder = errors.New("no netns finder (/proc scan) configured")
 
-// podIPs are the pod's addresses from its status.
-func podIPs(p *corev1.Pod) []netip.Prefix {
+// podIPs are the pod's addresses from its status, as host CIDRs.
+func podIPs(p *corev1.Pod) []string {
 	var raw []string
 	for _, ip := range p.Status.PodIPs {
 		raw = append(raw, ip.IP)
@@ -230,10 +230,10 @@ func podIPs(p *corev1.Pod) []netip.Prefix {
 	if len(raw) == 0 && p.Status.PodIP != "" {
 		raw = append(raw, p.Status.PodIP)
 	}
-	var out []netip.Prefix
+	var out []string
 	for _, r := range raw {
 		if a, err := netip.ParseAddr(r); err == nil {
-			out = append(out, netip.PrefixFrom(a, a.BitLen()))
+			out = append(out, netip.PrefixFrom(a.Unmap(), a.Unmap().BitLen()).String())
 		}
 	}
 	return out

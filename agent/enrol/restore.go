@@ -115,9 +115,9 @@ func openRecorded(r *records.Record) (*os.File, error) {
 		f.Close()
 		return nil, fmt.Errorf("%s is not a network namespace", r.Pod.Netns)
 	}
-	if len(r.Pod.IPs) > 0 && !holds(f, r.Pod.IPs[0].Addr()) {
+	if ips := addrs(r.Pod.IPs); len(ips) > 0 && !holds(f, ips[0]) {
 		f.Close()
-		return nil, fmt.Errorf("%s no longer holds the pod's address %s", r.Pod.Netns, r.Pod.IPs[0].Addr())
+		return nil, fmt.Errorf("%s no longer holds the pod's address %s", r.Pod.Netns, ips[0])
 	}
 	r.NetnsDev, r.NetnsIno = st.Dev, st.Ino
 	return f, nil

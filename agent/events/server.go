@@ -21,11 +21,13 @@ import (
 	"path/filepath"
 	"slices"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/nftcni/nftcni/internal/atomicfile"
+	"github.com/nftcni/nftcni/internal/sockfile"
 	"github.com/nftcni/nftcni/internal/unixsock"
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/nft/nlsend"
@@ -92,7 +94,7 @@ type Server struct {
 	MaxConns int
 	// CheckPeer vets each connection's credentials: root only
 	// (unixsock.RequireRoot), unless a test serves its own uid.
-	CheckPeer func(*net.UnixConn) error
+	CheckPeer func(syscall.Conn) error
 
 	wg sync.WaitGroup
 }
@@ -106,7 +108,7 @@ func NewServer(h Handler, log *slog.Logger, m *Metrics) *Server {
 }
 
 // Listen binds the plugin socket at path, root-only, in a 0750 dir.
-func Listen(path string) (*net.UnixListener, error) { return unixsock.Listen(path, 0o750) }
+func Listen(path string) (*net.UnixListener, error) { return sockfile.Listen(path, 0o750) }
 
 // Serve accepts connections until ctx ends, then closes l and waits for
 // the connections in flight.
@@ -154,9 +156,13 @@ func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 		s.count("connect", "rejected")
 		return
 	}
+	c, err := wire.NewConn(uc)
+	if err != nil {
+		s.log.Warn("could not serve a connection on the plugin socket", "err", err)
+		return
+	}
 	ctx, cancel := context.WithTimeout(ctx, s.Timeout)
 	defer cancel()
-	c := wire.NewConn(uc)
 	_ = c.SetDeadline(time.Now().Add(s.Timeout))
 	m, fd, err := c.Recv()
 	if fd != nil {

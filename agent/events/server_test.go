@@ -35,7 +35,11 @@ func TestMain(m *testing.M) {
 			fmt.Println("dial:", err)
 			os.Exit(0)
 		}
-		c := wire.NewConn(uc)
+		c, err := wire.NewConn(uc)
+		if err != nil {
+			fmt.Println("conn:", err)
+			os.Exit(1)
+		}
 		_ = c.SetDeadline(time.Now().Add(2 * time.Second))
 		if err := c.Send(&wire.Message{Kind: wire.KindStatus}, nil); err != nil {
 			fmt.Println("send:", err)
@@ -138,7 +142,7 @@ func serve(t *testing.T, h Handler, dir string) *harness {
 	if uid := os.Geteuid(); uid != 0 {
 		// Unprivileged: serve our own uid; the refusal of another uid is
 		// tested as root (TestNonRootPeerRefused).
-		hs.srv.CheckPeer = func(uc *net.UnixConn) error { return unixsock.RequireUID(uc, uint32(uid)) }
+		hs.srv.CheckPeer = func(uc syscall.Conn) error { return unixsock.RequireUID(uc, uint32(uid)) }
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
@@ -154,7 +158,10 @@ func (hs *harness) dial(t *testing.T) (*wire.Conn, *net.UnixConn) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { uc.Close() })
-	c := wire.NewConn(uc)
+	c, err := wire.NewConn(uc)
+	if err != nil {
+		t.Fatal(err)
+	}
 	_ = c.SetDeadline(time.Now().Add(2 * time.Second))
 	return c, uc
 }

@@ -77,7 +77,7 @@ func (i *Inspector) pod(out io.Writer, r records.Record) error {
 	}
 	fmt.Fprintf(out, "pod %s (uid %s, sandbox %s, %s)\n", r.Pod.Key(), r.UID, short(r.Pod.ContainerID), r.Pod.IfName)
 	fmt.Fprintf(out, "  netns:     %s\n", r.Pod.Netns)
-	fmt.Fprintf(out, "  IPs:       %s\n", prefixes(r.Pod.IPs))
+	fmt.Fprintf(out, "  IPs:       %s\n", strings.Join(r.Pod.IPs, ", "))
 	fmt.Fprintf(out, "  enrolment: %s\n", withReason(string(d.Mode), d.Reason))
 	ag := i.ask(&wire.Pod{UID: r.UID})
 	fmt.Fprintf(out, "  ztunnel:   %s\n", ag.ZDS)
@@ -104,7 +104,7 @@ func (i *Inspector) unrecorded(out io.Writer, in *wire.Inspect) error {
 	p := in.Pod
 	fmt.Fprintf(out, "pod %s (uid %s, no record: known to the running agent only)\n", p.Key(), p.UID)
 	fmt.Fprintf(out, "  netns:     %s\n", p.Netns)
-	fmt.Fprintf(out, "  IPs:       %s\n", prefixes(p.IPs))
+	fmt.Fprintf(out, "  IPs:       %s\n", strings.Join(p.IPs, ", "))
 	fmt.Fprintf(out, "  enrolment: %s\n", in.Enrolment)
 	fmt.Fprintf(out, "  ztunnel:   %s\n", in.ZDS)
 	fd, err := unix.Open(p.Netns, unix.O_RDONLY|unix.O_CLOEXEC, 0)
@@ -151,8 +151,10 @@ func (i *Inspector) host(out io.Writer, recs []records.Record) error {
 			continue
 		}
 		m := nft.Member{UID: r.UID}
-		for _, p := range r.Pod.IPs {
-			m.IPs = append(m.IPs, p.Addr())
+		for _, s := range r.Pod.IPs {
+			if p, err := netip.ParsePrefix(s); err == nil {
+				m.IPs = append(m.IPs, p.Addr())
+			}
 		}
 		members = append(members, m)
 	}
@@ -260,14 +262,6 @@ func short(id string) string {
 		return id[:12]
 	}
 	return id
-}
-
-func prefixes(ps []netip.Prefix) string {
-	s := make([]string, len(ps))
-	for i, p := range ps {
-		s[i] = p.String()
-	}
-	return strings.Join(s, ", ")
 }
 
 func indent(s string) string {

@@ -16,6 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sys/unix"
 
+	"github.com/nftcni/nftcni/internal/sockfile"
 	"github.com/nftcni/nftcni/internal/unixsock"
 )
 
@@ -79,7 +80,7 @@ func NewServer(log *slog.Logger, reg prometheus.Registerer) *Server {
 
 // Listen binds the ZDS socket, root-only (ztunnel runs as root), in a
 // dir ztunnel's pod mounts too.
-func Listen(path string) (*net.UnixListener, error) { return unixsock.Listen(path, 0o755) }
+func Listen(path string) (*net.UnixListener, error) { return sockfile.Listen(path, 0o755) }
 
 // Serve accepts ztunnel connections until ctx ends.
 func (s *Server) Serve(ctx context.Context, l *net.UnixListener) error {

@@ -4,8 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"os"
+	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -18,20 +18,39 @@ import (
 // netns.
 const maxFDs = 4
 
-// Conn is one plugin<->agent connection. The agent's end is a net.UnixConn
-// served by Go's poller, one goroutine per connection. The plugin's end
-// (Dial) is a plain blocking socket: the plugin has one conversation and
-// nothing else to do meanwhile, and a thread asleep in recvmsg is woken
-// by the kernel directly, where the poller's wake-up through epoll and the
-// scheduler costs a freshly exec'd process about 0.1 ms per answer here.
+// Conn is one plugin<->agent connection. The agent's end is an accepted
+// connection served by Go's poller, one goroutine per connection. The
+// plugin's end (Dial) is a plain blocking socket: the plugin has one
+// conversation and nothing else to do meanwhile, and a thread asleep in
+// recvmsg is woken by the kernel directly, where the poller's wake-up
+// through epoll and the scheduler costs a freshly exec'd process about
+// 0.1 ms per answer here.
 type Conn struct {
-	uc       *net.UnixConn // the agent's end
-	fd       int           // the plugin's end, when uc is nil
-	deadline time.Time     // the plugin's end: SetDeadline's
+	uc       PollConn        // the agent's end
+	rc       syscall.RawConn // uc's descriptor, on the poller
+	fd       int             // the plugin's end, when uc is nil
+	deadline time.Time       // the plugin's end: SetDeadline's
+}
+
+// PollConn is the agent's end of a connection, an accepted *net.UnixConn.
+// This package reads and writes it through its raw descriptor on the
+// poller rather than through package net's methods: the plugin links this
+// package, and package net's inits would cost each of its execs about 11
+// page faults.
+type PollConn interface {
+	syscall.Conn
+	SetDeadline(time.Time) error
+	Close() error
 }
 
 // NewConn wraps an accepted SOCK_SEQPACKET unix connection.
-func NewConn(uc *net.UnixConn) *Conn { return &Conn{uc: uc} }
+func NewConn(uc PollConn) (*Conn, error) {
+	rc, err := uc.SyscallConn()
+	if err != nil {
+		return nil, err
+	}
+	return &Conn{uc: uc, rc: rc}, nil
+}
 
 // Dial connects to the agent's socket within timeout and checks that the
 // process listening there is root: a socket path is only as trustworthy as
@@ -50,7 +69,7 @@ func Dial(path string, timeout time.Duration) (*Conn, error) {
 	}
 	if err := unix.Connect(fd, &unix.SockaddrUnix{Name: path}); err != nil {
 		c.Close()
-		return nil, &net.OpError{Op: "dial", Net: "unixpacket", Addr: &net.UnixAddr{Name: path, Net: "unixpacket"}, Err: os.NewSyscallError("connect", err)}
+		return nil, fmt.Errorf("dial unixpacket %s: %w", path, os.NewSyscallError("connect", err))
 	}
 	if err := unixsock.PeerIsRoot(fd); err != nil {
 		c.Close()
@@ -104,10 +123,10 @@ func (c *Conn) SendWith(m *Message, fds []int) error {
 	return c.sendBytes(b, fds, m.Kind)
 }
 
-// SendBytes writes one encoded message of kind (for errors), with fd
-// attached when it is not nil.
-func (c *Conn) SendBytes(b []byte, fd *os.File, kind Kind) error {
-	return c.sendBytes(b, fdsOf(fd), kind)
+// SendBytes writes one encoded message of kind (for errors), with fds
+// attached (none when empty).
+func (c *Conn) SendBytes(b []byte, fds []int, kind Kind) error {
+	return c.sendBytes(b, fds, kind)
 }
 
 func fdsOf(f *os.File) []int {
@@ -130,7 +149,7 @@ func (c *Conn) sendBytes(b []byte, fds []int, kind Kind) error {
 	}
 	var err error
 	if c.uc != nil {
-		_, _, err = c.uc.WriteMsgUnix(b, oob, nil)
+		err = c.onPoller(c.rc.Write, func(fd int) error { return unix.Sendmsg(fd, b, oob, nil, unix.MSG_DONTWAIT) })
 	} else if err = c.arm(unix.SO_SNDTIMEO); err == nil {
 		err = retry(func() error { return unix.Sendmsg(c.fd, b, oob, nil, 0) })
 	}
@@ -186,7 +205,10 @@ func (c *Conn) RecvBytes() ([]byte, []int, error) {
 	oob := make([]byte, unix.CmsgSpace(maxFDs*4))
 	var n, oobn, flags int
 	if c.uc != nil {
-		n, oobn, flags, _, err = c.uc.ReadMsgUnix(buf, oob)
+		err = c.onPoller(c.rc.Read, func(fd int) (err error) {
+			n, oobn, flags, _, err = unix.Recvmsg(fd, buf, oob, unix.MSG_DONTWAIT|unix.MSG_CMSG_CLOEXEC)
+			return err
+		})
 	} else {
 		err = retry(func() (err error) {
 			n, oobn, flags, _, err = unix.Recvmsg(c.fd, buf, oob, unix.MSG_CMSG_CLOEXEC)
@@ -234,19 +256,23 @@ func (c *Conn) nextSize() (int, error) {
 		err := retry(func() (err error) { n, err = peek(c.fd, 0); return err })
 		return n, timeout(err)
 	}
-	rc, err := c.uc.SyscallConn()
-	if err != nil {
-		return 0, err
-	}
 	var n int
-	var rerr error
-	if err := rc.Read(func(fd uintptr) bool {
-		n, rerr = peek(int(fd), unix.MSG_DONTWAIT)
-		return !errors.Is(rerr, unix.EAGAIN)
-	}); err != nil {
-		return 0, err
+	err := c.onPoller(c.rc.Read, func(fd int) (err error) { n, err = peek(fd, unix.MSG_DONTWAIT); return err })
+	return n, err
+}
+
+// onPoller runs a non-blocking socket call on the agent's end through
+// dir (its RawConn's Read or Write), which parks the goroutine on the
+// poller until the socket is ready or the deadline passes.
+func (c *Conn) onPoller(dir func(func(uintptr) bool) error, call func(fd int) error) error {
+	var err error
+	if perr := dir(func(fd uintptr) bool {
+		err = retry(func() error { return call(int(fd)) })
+		return !errors.Is(err, unix.EAGAIN)
+	}); perr != nil {
+		return perr
 	}
-	return n, rerr
+	return err
 }
 
 // retry repeats a blocking socket call the Go runtime's signals interrupt.

@@ -38,7 +38,7 @@ func AppendAdd(b []byte, p *Pod) []byte {
 			if i > 0 {
 				b = append(b, ',')
 			}
-			b = gjson.AppendJSONString(b, ip.String())
+			b = gjson.AppendJSONString(b, ip)
 		}
 		b = append(b, ']')
 	}

@@ -29,7 +29,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"net/netip"
 	"time"
 
 	"github.com/nftcni/nftcni/nft/nlsend"
@@ -133,7 +132,11 @@ type Pod struct {
 	Name      string `json:"name"`
 	UID       string `json:"uid,omitempty"`
 	Attachment
-	IPs []netip.Prefix `json:"ips,omitempty"`
+	// IPs are the sandbox interface's addresses in CIDR notation, as the
+	// primary's result gives them: text, so that the plugin, which links
+	// this package, does not link net/netip (its init costs every exec
+	// about 6 page faults). The agent parses them.
+	IPs []string `json:"ips,omitempty"`
 	// Netns is CNI_NETNS: the agent keeps it to find the netns again after
 	// its own restart (it uses the descriptor, not the path, otherwise).
 	Netns string `json:"netns,omitempty"`
@@ -144,16 +147,6 @@ type Pod struct {
 
 // Key names the pod as Kubernetes does.
 func (p *Pod) Key() string { return p.Namespace + "/" + p.Name }
-
-// HasIPv6 says whether any of the pod's addresses is IPv6.
-func HasIPv6(ips []netip.Prefix) bool {
-	for _, p := range ips {
-		if p.Addr().Is6() && !p.Addr().Is4In6() {
-			return true
-		}
-	}
-	return false
-}
 
 // Verdict is the agent's decision as the plugin gets it: the mode and why.
 // What the ruleset is made of stays in the agent; the plugin gets it

@@ -2,7 +2,6 @@ package wire
 
 import (
 	"encoding/json"
-	"net/netip"
 	"reflect"
 	"strings"
 	"testing"
@@ -15,7 +14,7 @@ import (
 func TestRoundTrip(t *testing.T) {
 	msgs := []*Message{
 		{Kind: KindAdd, Pod: &Pod{Namespace: "ns", Name: "p", UID: "u", Attachment: Attachment{ContainerID: "c", IfName: "eth0"},
-			IPs:         []netip.Prefix{netip.MustParsePrefix("10.0.0.5/24"), netip.MustParsePrefix("fd00::5/64")},
+			IPs:         []string{"10.0.0.5/24", "fd00::5/64"},
 			Annotations: map[string]string{"a": "b"}}},
 		{Kind: KindDecision, Decision: &Verdict{Mode: ModeAmbient, Reason: "r"},
 			Batch: &nlsend.Batch{Tables: []byte{1, 2, 3}, Replace: []byte{4}, Routes: []byte{5, 6}}},
@@ -107,16 +106,6 @@ func TestSidecarInjection(t *testing.T) {
 		if got != tc.want || (got != NotInjected && why == "") {
 			t.Errorf("%s: %v (%q), want %v", tc.name, got, why, tc.want)
 		}
-	}
-}
-
-func TestHasIPv6(t *testing.T) {
-	v4 := []netip.Prefix{netip.MustParsePrefix("10.0.0.1/24"), netip.MustParsePrefix("::ffff:10.0.0.2/120")}
-	if HasIPv6(v4) {
-		t.Error("v4 and v4-mapped counted as IPv6")
-	}
-	if !HasIPv6(append(v4, netip.MustParsePrefix("fd00::1/64"))) {
-		t.Error("fd00::1 not counted")
 	}
 }
 
