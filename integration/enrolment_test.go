@@ -343,11 +343,13 @@ func TestInspectAfterUnenrolmentGivesTheReason(t *testing.T) {
 	}
 }
 
-// An enrolled ADD is two round trips on the plugin socket — add (with the
-// pod's netns) and decision (with the pod's two netlink sockets), outcome
-// (carrying the call's logs) and done — and a pod outside the mesh one,
-// followed by its debug records one way (the conflist here logs at debug);
-// counted by a relay between the plugin and the agent. A decision that
+// An enrolled ADD is four messages on the plugin socket — add (with the
+// pod's netns) and decision (with the pod's two netlink sockets), then done
+// (the agent's part in place, sent without waiting for the plugin) and the
+// outcome (carrying the call's logs), which the plugin sends last, once it
+// has read done — and a pod outside the mesh one round trip, followed by
+// its debug records one way (the conflist here logs at debug); counted by
+// a relay between the plugin and the agent. A decision that
 // comes without sockets (an older agent; the relay drops them) still gets
 // the pod its rules: the plugin makes its own.
 func TestADDRoundTrips(t *testing.T) {
@@ -360,9 +362,9 @@ func TestADDRoundTrips(t *testing.T) {
 		strip           bool
 		want            []string
 	}{
-		{meshNS, "app", false, []string{"add+1", "decision+2", "outcome", "done"}},
+		{meshNS, "app", false, []string{"add+1", "decision+2", "done", "outcome"}},
 		{plainNS, "web", false, []string{"add+1", "decision", "log"}},
-		{meshNS, "old", true, []string{"add+1", "decision", "outcome", "done"}},
+		{meshNS, "old", true, []string{"add+1", "decision", "done", "outcome"}},
 	} {
 		n.pod(tc.namespace, tc.name, nil)
 		pod := testnet.NewNS(t, "nftpod")

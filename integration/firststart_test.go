@@ -36,6 +36,9 @@ status: {phase: Running, podIP: %s, podIPs: [{ip: %s}]}
 	if e := z.Wait(zds.KindAdd, uid, 10*time.Second); e.FDs != 1 {
 		t.Fatalf("ZDS Add carried %d fds\n%s", e.FDs, alog)
 	}
+	// ztunnel has the pod before its traffic is redirected: the rules
+	// follow its ack.
+	eventually(t, "the pod's ruleset", func() bool { return hasTable(t, p.Pod) })
 	if _, err := p.Pod.Dial(t, "tcp", netip.AddrPortFrom(p.NodeIP4, 80).String(), testnet.DialOpts{}); err != nil {
 		t.Fatalf("dial from the pod: %v", err)
 	}

@@ -106,9 +106,9 @@ func TestKubernetesEnrolment(t *testing.T) {
 	if !hasTable(t, cartNS) || hasTable(t, batchNS) {
 		t.Fatalf("tables after ADD: cart %v batch %v", hasTable(t, cartNS), hasTable(t, batchNS))
 	}
-	if got := redirection("shop", "cart"); got != "enabled" {
-		t.Errorf("shop/cart %s = %q, want enabled", istio.AnnRedirection, got)
-	}
+	// The annotation follows the ADD (it reports the capture; the ADD does
+	// not wait for the API server).
+	eventually(t, "shop/cart annotated "+istio.AnnRedirection+"=enabled", func() bool { return redirection("shop", "cart") == "enabled" })
 	if set := hostNode.probeSet(t); !strings.Contains(set, cartIP+` comment "`+string(cart.UID)+`"`) {
 		t.Errorf("probe set lacks shop/cart:\n%s", set)
 	}

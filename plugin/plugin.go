@@ -301,13 +301,22 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 	} else {
 		c.debug("ruleset programmed", "mode", r.Mode, "decided_ms", t.Decided, "programmed_ms", t.Programmed)
 	}
-	// The call's logs and timings ride the outcome: no third message.
-	if _, _, err := c.askLean(wire.AppendOutcome(nil, errText, c.recs.take(), t), nil, wire.KindOutcome, wire.KindDone); err != nil && perr == nil {
-		// The agent removed what the enrolment had put in place, rules too.
-		return fmt.Errorf("nftcni: pod %s: enrolment failed after the rules were programmed (removed again): %w", pod.Key(), err)
-	}
-	if perr != nil {
+	// The agent's last answer: done once ztunnel has the netns and the
+	// probe set entry and record are in place, or why not. The agent
+	// gives it without waiting for the outcome, so it is usually here
+	// already.
+	_, _, aerr := c.answerLean(wire.KindDecision, wire.KindDone)
+	// The outcome, with the call's logs and timings, is the last message:
+	// with a failure on either side the agent undoes the enrolment. Nothing
+	// waits for the agent after it.
+	serr := c.agent.SendBytes(wire.AppendOutcome(make([]byte, 0, 1024), errText, c.recs.take(), t), nil, wire.KindOutcome)
+	switch {
+	case perr != nil:
 		return fmt.Errorf("nftcni: pod %s: programming the %s ruleset: %w", pod.Key(), r.Mode, perr)
+	case aerr != nil:
+		return fmt.Errorf("nftcni: pod %s: enrolment failed after the rules were programmed (removed again): %w", pod.Key(), aerr)
+	case serr != nil:
+		return fmt.Errorf("nftcni: pod %s: the agent did not get the outcome (it undoes the enrolment): %w", pod.Key(), serr)
 	}
 	return c.printPrev(stdout)
 }
@@ -340,6 +349,12 @@ func (c *call) askLean(b []byte, fds []int, kind, want wire.Kind) (*wire.Reply, 
 	if err := c.agent.SendBytes(b, fds, kind); err != nil {
 		return nil, nil, err
 	}
+	return c.answerLean(kind, want)
+}
+
+// answerLean reads the agent's answer to the plugin's last message, of
+// kind, which must be of kind want.
+func (c *call) answerLean(kind, want wire.Kind) (*wire.Reply, []int, error) {
 	rb, fds, err := c.agent.RecvBytes()
 	var r *wire.Reply
 	if err == nil {

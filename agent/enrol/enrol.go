@@ -56,7 +56,9 @@ type Store interface {
 // Ztunnel is where ambient pods' netns go (package zds). The netns it is
 // given is borrowed: the Enroller closes it only after Del.
 type Ztunnel interface {
-	Add(ctx context.Context, uid string, info zds.WorkloadInfo, netns *os.File) error
+	// StartAdd sends the pod to ztunnel and returns the wait for its ack,
+	// which must be called once (zds.Server.StartAdd).
+	StartAdd(ctx context.Context, uid string, info zds.WorkloadInfo, netns *os.File) (wait func() error)
 	// Track remembers a pod for the next snapshot without sending it now.
 	Track(uid string, info zds.WorkloadInfo, netns *os.File)
 	Del(uid string)
@@ -205,12 +207,20 @@ func (e *Enroller) record(p *pod, d *enablement.Decision) *records.Record {
 type how struct {
 	// rules puts the ruleset in place: the plugin's outcome at ADD, the
 	// agent's own Program elsewhere, a deferred check at restart. It runs
-	// beside the other steps.
+	// beside the other steps (at ADD, once ready has been called).
 	rules func(context.Context) error
-	// start, if set, runs before the other steps begin: at ADD it sends
-	// the plugin its decision, so that the plugin's critical path does not
-	// wait behind the agent's own work for a CPU.
+	// start, if set, runs once ztunnel has been sent the pod and before
+	// the other steps begin: at ADD it sends the plugin its decision, so
+	// that the plugin's critical path does not wait behind the agent's own
+	// work for a CPU.
 	start func(context.Context) error
+	// ready, if set, is told once ztunnel, the probe set and the record
+	// are done (nil) or one of them failed, before rules runs. At ADD the
+	// plugin programs the rules in its own process, reads this answer and
+	// reports the rules with its outcome, its last message: told without
+	// waiting for the outcome, the plugin exits without waiting for the
+	// agent to wake up for it.
+	ready func(error)
 	// restored: the pod was enrolled before this agent started. ztunnel
 	// gets it in its first snapshot (it is not connected yet), the record
 	// is already there, and an undo must not remove rules the previous
@@ -231,34 +241,38 @@ func (e *Enroller) enrol(ctx context.Context, p *pod, d *enablement.Decision, h 
 		return fmt.Errorf("pod %s has no UID (neither K8S_POD_UID from the runtime nor metadata.uid in its manifest): ztunnel names workloads by UID, so it cannot be enrolled in ambient", p.id.Key())
 	}
 	zt, probes, recs := e.opts.Ztunnel, e.opts.Probes, e.opts.Records
+	var ztErr, probeErr, recErr error
+	ztDone, probeDone, recDone := false, false, false
+	ztAck := func() {} // waits for ztunnel's ack, once
+	if ambient && zt != nil {
+		if h.restored {
+			zt.Track(p.uid, e.workload(p), p.netns)
+			ztDone = true
+		} else {
+			// ztunnel's ack is the longest step (it opens its listeners in
+			// the pod's netns first): the AddWorkload goes out before
+			// anything else, its ack is waited for last.
+			wait := zt.StartAdd(ctx, p.uid, e.workload(p), p.netns)
+			ztAck = sync.OnceFunc(func() {
+				if ztErr = wait(); ztErr == nil {
+					ztDone = true
+				}
+			})
+		}
+	}
 	if h.start != nil {
 		if err := h.start(ctx); err != nil {
+			ztAck()
+			if ztDone && !h.restored {
+				e.ztunnelRelease(p)
+			}
 			if !h.restored && p.netns != nil {
 				_ = e.rules.Remove(p.fd()) // the plugin may have begun
 			}
 			return fmt.Errorf("enrolling pod %s (%s): %w", p.id.Key(), d.Mode, err)
 		}
 	}
-	var wg sync.WaitGroup
-	var ztErr, probeErr, recErr error
-	ztDone, probeDone, recDone := false, false, false
-	if ambient && zt != nil {
-		if h.restored {
-			zt.Track(p.uid, e.workload(p), p.netns)
-			ztDone = true
-		} else {
-			wg.Add(1)
-			go func() { // ztunnel's ack is the longest step: it overlaps the rules
-				defer wg.Done()
-				if ztErr = zt.Add(ctx, p.uid, e.workload(p), p.netns); ztErr == nil {
-					ztDone = true
-				}
-			}()
-		}
-	}
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
+	own := func() { // the probe set entry, then the record
 		if ambient && probes != nil {
 			if probeErr = probes.Add(p.uid, addrs(p.id.IPs)); probeErr != nil {
 				return
@@ -270,21 +284,34 @@ func (e *Enroller) enrol(ctx context.Context, p *pod, d *enablement.Decision, h 
 				recDone = true
 			}
 		}
-	}()
-	rulesErr := h.rules(ctx)
-	wg.Wait()
-	err := errors.Join(rulesErr, ztErr, probeErr, recErr)
-	if err == nil && ambient {
-		if aerr := e.annotate(ctx, p, RedirectionEnabled); aerr != nil && h.restored {
-			// Captured already: the annotation is retried on the pod's
-			// next reconcile rather than undo a working enrolment.
-			e.log.Warn("could not annotate a restored pod; retried on its next change", "pod", p.id.Key(), "err", aerr)
-			p.annotationWanted = true
-		} else {
-			err = aerr
-		}
 	}
-	if err != nil {
+	var rulesErr error
+	if h.ready != nil {
+		// The plugin is programming the rules in its own process, woken
+		// by the decision, and ztunnel is opening its listeners: the probe
+		// set entry and the record wait for ztunnel's ack, when a CPU is
+		// free, rather than take one from the plugin (the kernel tends to
+		// run the plugin on the CPU that woke it, this one).
+		ztAck()
+		own()
+		h.ready(errors.Join(ztErr, probeErr, recErr))
+		rulesErr = h.rules(ctx)
+	} else {
+		// A running pod (late enrolment, adoption, restart): ztunnel
+		// listens in its netns before its traffic is redirected there, so
+		// no connection is refused in between.
+		var wg sync.WaitGroup
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			own()
+		}()
+		if ztAck(); ztErr == nil {
+			rulesErr = h.rules(ctx)
+		}
+		wg.Wait()
+	}
+	if err := errors.Join(rulesErr, ztErr, probeErr, recErr); err != nil {
 		// Undo, newest first; the pod is left as it was.
 		if recDone {
 			e.saveRecord(p, p.d)
@@ -304,6 +331,17 @@ func (e *Enroller) enrol(ctx context.Context, p *pod, d *enablement.Decision, h 
 	}
 	p.d = d
 	p.verify = verifyState{pending: true}
+	if ambient {
+		if err := e.annotate(ctx, p, RedirectionEnabled); err != nil {
+			// The annotation reports the capture to istiod; it does not
+			// make it. A captured pod stays captured, and the annotation
+			// is retried (its next reconcile, the next verification
+			// pass) rather than undo a working enrolment, which at ADD
+			// the plugin has reported to the runtime already.
+			e.log.Warn("could not annotate an enrolled pod; retried", "pod", p.id.Key(), "err", err)
+			p.annotationWanted = true
+		}
+	}
 	return nil
 }
 

@@ -95,15 +95,18 @@ type fakeZtunnel struct {
 	held   map[string]bool
 }
 
-func (z *fakeZtunnel) Add(ctx context.Context, uid string, info zds.WorkloadInfo, netns *os.File) error {
+func (z *fakeZtunnel) StartAdd(ctx context.Context, uid string, info zds.WorkloadInfo, netns *os.File) func() error {
 	z.l.add("zt.Add %s", uid)
-	if z.addErr != nil {
-		return z.addErr
+	return func() error { // the ack
+		z.l.add("zt.ack %s", uid)
+		if z.addErr != nil {
+			return z.addErr
+		}
+		z.mu.Lock()
+		z.held[uid] = true
+		z.mu.Unlock()
+		return nil
 	}
-	z.mu.Lock()
-	z.held[uid] = true
-	z.mu.Unlock()
-	return nil
 }
 func (z *fakeZtunnel) Track(uid string, info zds.WorkloadInfo, netns *os.File) {
 	z.l.add("zt.Track %s", uid)
@@ -141,9 +144,15 @@ func (p *fakeProbes) Remove(uid string, ips []netip.Addr) error {
 type fakeAnnotator struct {
 	l     *trail
 	store *podsource.Store
+	fails int // the next calls that fail (the API server unreachable)
 }
 
 func (a *fakeAnnotator) SetRedirection(ctx context.Context, namespace, name, state string) error {
+	if a.fails > 0 {
+		a.fails--
+		a.l.add("annotate %s/%s=%q failed", namespace, name, state)
+		return errors.New("apiserver: connection refused")
+	}
 	a.l.add("annotate %s/%s=%q", namespace, name, state)
 	if kp := a.store.Pod(namespace, name); kp != nil { // as the informer would see it
 		kp = kp.DeepCopy()
@@ -177,6 +186,13 @@ func (p *fakePlugin) Decide(d *wire.Verdict, b *nft.Batch) error {
 	p.decided, p.batch = d, b
 	return nil
 }
+func (p *fakePlugin) Ready(err error) {
+	if err != nil {
+		p.l.add("plugin.Ready error")
+		return
+	}
+	p.l.add("plugin.Ready done")
+}
 func (p *fakePlugin) Outcome() (*wire.Timings, error) {
 	p.l.add("plugin.Outcome")
 	if p.outcomeErr == nil && p.batch != nil {
@@ -203,17 +219,18 @@ func (f *fakeFinder) Find(uid string, ips []netip.Addr) (*os.File, error) {
 }
 
 type rig struct {
-	t       *testing.T
-	l       *trail
-	store   *podsource.Store
-	rules   *fakeRules
-	zt      *fakeZtunnel
-	runDir  string
-	records *records.Dir
-	e       *Enroller
-	netns   map[string]*os.File // by pod name: the file standing in for its netns
-	finder  *fakeFinder
-	probes  *fakeProbes
+	t         *testing.T
+	annotator *fakeAnnotator
+	l         *trail
+	store     *podsource.Store
+	rules     *fakeRules
+	zt        *fakeZtunnel
+	runDir    string
+	records   *records.Dir
+	e         *Enroller
+	netns     map[string]*os.File // by pod name: the file standing in for its netns
+	finder    *fakeFinder
+	probes    *fakeProbes
 }
 
 func newRig(t *testing.T) *rig {
@@ -237,8 +254,9 @@ func (r *rig) enroller() *Enroller {
 	if err != nil {
 		r.t.Fatal(err)
 	}
+	r.annotator = &fakeAnnotator{l: r.l, store: r.store}
 	return New(Options{Policy: pol, Store: r.store, Rules: r.rules, Ztunnel: r.zt, Probes: r.probes,
-		Records: r.records, Annotator: &fakeAnnotator{l: r.l, store: r.store}, Finder: r.finder, LookupRetries: -1})
+		Records: r.records, Annotator: r.annotator, Finder: r.finder, LookupRetries: -1})
 }
 
 func (r *rig) namespace(name string, ambient bool) {
@@ -358,14 +376,18 @@ func TestAddEnrolsAmbientPodInOrder(t *testing.T) {
 	if pl.decided.Mode != wire.ModeAmbient || pl.batch == nil {
 		t.Fatalf("plugin got %+v, batch %v; want ambient with a batch", pl.decided, pl.batch)
 	}
-	r.expect("plugin.Decide ambient", "plugin.Outcome", "zt.Add uid-a", "probes.Add uid-a [10.0.0.5]", `annotate mesh/a="enabled"`)
+	r.expect("plugin.Decide ambient", "plugin.Ready done", "plugin.Outcome", "zt.Add uid-a", "probes.Add uid-a [10.0.0.5]", `annotate mesh/a="enabled"`)
 	r.expectNot("rules.Program") // the plugin programs at ADD, not the agent
 	if got, want := r.dump("a"), r.ambientRules(); got != want {
 		t.Errorf("the pod's netns after ADD:\n%s\nwant:\n%s", got, want)
 	}
-	// The decision goes out before anything else starts, the annotation
-	// only after every step.
-	if r.l.calls[0] != "plugin.Decide ambient" || r.l.calls[len(r.l.calls)-1] != `annotate mesh/a="enabled"` {
+	// The plugin hears that the agent's part is done once ztunnel and the
+	// probe set are, and before its outcome is read; the annotation comes
+	// after every step.
+	at := func(call string) int { return slices.Index(r.l.calls, call) }
+	ready := at("plugin.Ready done")
+	if ready < at("zt.Add uid-a") || ready < at("probes.Add uid-a [10.0.0.5]") || ready > at("plugin.Outcome") ||
+		r.l.calls[len(r.l.calls)-1] != `annotate mesh/a="enabled"` {
 		t.Errorf("order: %s", r.l)
 	}
 	if got := r.members(); !slices.Equal(got, []string{"mesh/a ambient uid-a"}) {
@@ -384,9 +406,9 @@ func TestFailedStepUndoesTheEnrolment(t *testing.T) {
 		notUndo []string
 	}{
 		{"plugin could not program", func(r *rig, p *fakePlugin) { p.outcomeErr = errors.New("netlink: EPERM") },
-			[]string{"zt.Del uid-a", "probes.Remove uid-a [10.0.0.5]", "rules.Remove"}, nil},
+			[]string{"plugin.Ready done", "zt.Del uid-a", "probes.Remove uid-a [10.0.0.5]", "rules.Remove"}, nil},
 		{"ztunnel refused", func(r *rig, p *fakePlugin) { r.zt.addErr = errors.New("ztunnel: nack") },
-			[]string{"probes.Remove uid-a [10.0.0.5]", "rules.Remove"}, []string{"zt.Del uid-a"}},
+			[]string{"plugin.Ready error", "plugin.Outcome", "probes.Remove uid-a [10.0.0.5]", "rules.Remove"}, []string{"zt.Del uid-a"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			r := newRig(t)
@@ -409,6 +431,29 @@ func TestFailedStepUndoesTheEnrolment(t *testing.T) {
 				t.Errorf("recorded as enrolled after a failed ADD: %v", got)
 			}
 		})
+	}
+}
+
+// The annotation reports a capture, it does not make one: when the API
+// server cannot be reached the pod stays captured (the plugin has told the
+// runtime so), and the annotation is written at the next verification
+// pass.
+func TestAnnotationFailureKeepsTheCapture(t *testing.T) {
+	r := newRig(t)
+	r.namespace("mesh", true)
+	r.annotator.fails = 1
+	if err := r.addA(nil); err != nil {
+		t.Fatalf("ADD failed for want of an annotation: %v", err)
+	}
+	r.expect(`annotate mesh/a="enabled" failed`, "plugin.Ready done")
+	r.expectNot("zt.Del uid-a", "rules.Remove", "probes.Remove uid-a [10.0.0.5]")
+	if got := r.members(); !slices.Equal(got, []string{"mesh/a ambient uid-a"}) || !r.zt.Holds("uid-a") || r.dump("a") != r.ambientRules() {
+		t.Fatalf("after the failed annotation: members %v, ztunnel holds %v, rules:\n%s", got, r.zt.Holds("uid-a"), r.dump("a"))
+	}
+	r.e.VerifyPass(context.Background(), 1)
+	r.expect(`annotate mesh/a="enabled"`)
+	if kp := r.store.Pod("mesh", "a"); kp.Annotations[istio.AnnRedirection] != RedirectionEnabled {
+		t.Errorf("annotation after the verification pass: %v", kp.Annotations)
 	}
 }
 
@@ -493,6 +538,10 @@ func TestLateEnrolmentAndUnenrolment(t *testing.T) {
 		t.Fatal(err)
 	}
 	r.expect("rules.Program", "zt.Add uid-a", `annotate mesh/a="enabled"`) // the agent programs, with the netns it kept
+	// A running pod's traffic is redirected only once ztunnel listens.
+	if ack, prog := slices.Index(r.l.calls, "zt.ack uid-a"), slices.Index(r.l.calls, "rules.Program"); ack < 0 || prog < ack {
+		t.Errorf("rules programmed before ztunnel's ack: %s", r.l)
+	}
 	if got, want := r.dump("a"), r.ambientRules(); got != want {
 		t.Errorf("the pod's netns after late enrolment:\n%s\nwant:\n%s", got, want)
 	}

@@ -88,6 +88,24 @@ func (e *Enroller) Add(ctx context.Context, wp *wire.Pod, netns *os.File, plugin
 	if err != nil {
 		return err
 	}
+	if d.Mode == wire.ModeNone {
+		// The plugin has its answer first; then the pod is known, with
+		// its netns, so that enrolling it later (a label added) needs no
+		// search for its netns.
+		if err := plugin.Decide(d.Verdict(), nil); err != nil {
+			e.log.Debug("plugin went away after its decision", "pod", wp.Key(), "err", err)
+		}
+		p, err := e.track(ctx, wp, netns)
+		if err != nil {
+			e.log.Warn("could not keep the netns of a pod outside the mesh; enrolling it later searches /proc", "pod", wp.Key(), "err", err)
+			return nil
+		}
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		p.d = d
+		e.saveRecord(p, d)
+		return nil
+	}
 	_, batch, err := e.batches.get(d)
 	if err != nil {
 		return fmt.Errorf("pod %s: encoding its %s ruleset: %w", wp.Key(), d.Mode, err)
@@ -98,20 +116,11 @@ func (e *Enroller) Add(ctx context.Context, wp *wire.Pod, netns *os.File, plugin
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if d.Mode == wire.ModeNone {
-		// Known, with its netns, so that enrolling it later (a label
-		// added) needs no search for its netns.
-		if err := plugin.Decide(d.Verdict(), nil); err != nil {
-			e.log.Debug("plugin went away after its decision", "pod", wp.Key(), "err", err)
-		}
-		p.d = d
-		e.saveRecord(p, d)
-		return nil
-	}
 	var t *wire.Timings
 	start := time.Now()
 	err = e.enrol(ctx, p, d, how{
 		start: func(context.Context) error { return plugin.Decide(d.Verdict(), batch) },
+		ready: plugin.Ready,
 		rules: func(context.Context) (err error) { t, err = plugin.Outcome(); return err }})
 	if err != nil {
 		return err

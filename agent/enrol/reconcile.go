@@ -91,11 +91,18 @@ func (e *Enroller) reconcilePod(ctx context.Context, p *pod, kp *corev1.Pod) err
 	case p.d.Mode == wire.ModeAmbient && !reflect.DeepEqual(p.d.Ambient, d.Ambient):
 		return e.reprogram(ctx, p, d)
 	case p.enrolled() && p.annotationWanted:
-		if err := e.annotate(ctx, p, RedirectionEnabled); err != nil {
-			return err
-		}
-		p.annotationWanted = false
+		return e.retryAnnotation(ctx, p)
 	}
+	return nil
+}
+
+// retryAnnotation writes the annotation an enrolled pod is still owed.
+// Called with p.mu held.
+func (e *Enroller) retryAnnotation(ctx context.Context, p *pod) error {
+	if err := e.annotate(ctx, p, RedirectionEnabled); err != nil {
+		return err
+	}
+	p.annotationWanted = false
 	return nil
 }
 

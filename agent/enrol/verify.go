@@ -125,6 +125,11 @@ func (e *Enroller) verifyPod(ctx context.Context, p *pod) (checked, repaired boo
 		_ = e.release(ctx, p, releaseHow{why: "its sandbox is gone without a DEL", forget: true})
 		return false, false
 	}
+	if p.annotationWanted {
+		if err := e.retryAnnotation(ctx, p); err != nil {
+			e.log.Warn("could not annotate an enrolled pod; retried at the next pass", "pod", p.id.Key(), "err", err)
+		}
+	}
 	rs, batch, err := e.batches.get(p.d)
 	if err != nil || rs == nil {
 		return false, false

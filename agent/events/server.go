@@ -37,9 +37,11 @@ import (
 // Handler is what the server needs from the rest of the agent.
 type Handler interface {
 	// Add runs a pod's ADD. It decides and, for a pod it enrols, drives the
-	// enrolment, calling plugin.Decide once with the decision and the
-	// batch the plugin is to program. An error before that call is the
-	// answer to the add; after it, the answer to the plugin's outcome.
+	// enrolment: plugin.Decide once with the decision and the batch the
+	// plugin is to program, plugin.Ready once the agent's own part is in
+	// place (or failed), then plugin.Outcome. An error before Decide is the
+	// answer to the add; one after Ready is the agent's to act on (the
+	// plugin has its answer).
 	Add(ctx context.Context, pod *wire.Pod, netns *os.File, plugin Plugin) error
 	// Del is the pod's DEL: release whatever is held for it.
 	Del(ctx context.Context, pod *wire.Pod) error
@@ -60,6 +62,11 @@ type Plugin interface {
 	// Decide sends the decision and, for an enrolled pod, the batch the
 	// plugin is to program.
 	Decide(v *wire.Verdict, b *nft.Batch) error
+	// Ready gives the plugin its last answer for an enrolled pod: done
+	// when the agent's part of the enrolment (ztunnel, probe set, record)
+	// is in place, else the error. It does not wait for the outcome: the
+	// plugin reads it once its rules are in, then sends its outcome last.
+	Ready(err error)
 	// Outcome waits for the plugin's outcome of an enrolled pod's
 	// decision: nil once the rules are in place, with where the plugin's
 	// time went.
@@ -243,6 +250,7 @@ type addConv struct {
 	netns   *os.File // the pod's, from the add
 	decided bool
 	mode    wire.Mode
+	ready   bool // the plugin has its last answer
 }
 
 // Decide sends the decision. A batch to program goes with a netlink socket
@@ -271,6 +279,21 @@ func (a *addConv) Decide(v *wire.Verdict, b *nft.Batch) error {
 	return nil
 }
 
+// Ready sends done, or the error.
+func (a *addConv) Ready(err error) {
+	if a.ready {
+		return
+	}
+	a.ready = true
+	m := &wire.Message{Kind: wire.KindDone}
+	if err != nil {
+		m = &wire.Message{Kind: wire.KindError, Error: err.Error()}
+	}
+	if serr := a.c.Send(m, nil); serr != nil {
+		a.s.log.Debug("could not give the plugin its answer", "err", serr) // its outcome, or its absence, says the rest
+	}
+}
+
 // Outcome waits for the outcome, whose logs join the agent's.
 func (a *addConv) Outcome() (*wire.Timings, error) {
 	if !a.decided || a.mode == wire.ModeNone {
@@ -293,26 +316,28 @@ func (a *addConv) Outcome() (*wire.Timings, error) {
 	return out.Timings, nil
 }
 
-// add runs the ADD conversation through the handler and gives the plugin
-// its last answer: done or error to its outcome, or an error in place of
-// a decision. A pod outside the mesh gets nothing after its decision.
+// add runs the ADD conversation through the handler and makes sure the
+// plugin has its last answer: the decision for a pod outside the mesh;
+// done or error (Ready) for an enrolled one; an error in place of a
+// decision when there is none.
 func (s *Server) add(ctx context.Context, c *wire.Conn, pod *wire.Pod, netns *os.File) {
 	conv := &addConv{s: s, ctx: ctx, c: c, netns: netns}
 	err := errors.New("add carries no netns descriptor")
 	if netns != nil {
 		err = s.h.Add(ctx, pod, netns, conv)
 	}
-	if err == nil && !conv.decided {
-		err = errors.New("the agent reached no decision") // a handler bug; never leave the plugin waiting
+	if err == nil && (!conv.decided || conv.mode != wire.ModeNone && !conv.ready) {
+		err = errors.New("the agent left the ADD unanswered") // a handler bug; never leave the plugin waiting
 	}
 	s.count(wire.KindAdd, result(err))
-	if err != nil {
-		s.log.Warn("pod ADD failed", "pod", pod.Key(), "containerID", pod.ContainerID, "err", err)
-		_ = c.Send(&wire.Message{Kind: wire.KindError, Error: err.Error()}, nil)
+	if err == nil {
 		return
 	}
-	if conv.decided && conv.mode != wire.ModeNone {
-		_ = c.Send(&wire.Message{Kind: wire.KindDone}, nil)
+	s.log.Warn("pod ADD failed", "pod", pod.Key(), "containerID", pod.ContainerID, "err", err)
+	if !conv.decided {
+		_ = c.Send(&wire.Message{Kind: wire.KindError, Error: err.Error()}, nil)
+	} else if conv.mode != wire.ModeNone {
+		conv.Ready(err)
 	}
 }
 

@@ -57,10 +57,11 @@ type fake struct {
 	mu        sync.Mutex
 	decision  *wire.Verdict
 	decideErr error
-	// outcomes are what plugin.Decide returned, one per enrolled ADD.
+	// outcomes are what plugin.Outcome returned, one per enrolled ADD.
 	outcomes []error
-	// afterErr fails the ADD after the plugin's outcome (ztunnel refused).
-	afterErr error
+	// agentErr fails the agent's own part of the enrolment (ztunnel
+	// refused the pod): the plugin's answer after its decision.
+	agentErr error
 	deleted  []string
 	gc       [][]wire.Attachment
 }
@@ -76,12 +77,13 @@ func (f *fake) Add(_ context.Context, _ *wire.Pod, _ *os.File, plugin Plugin) er
 		return nil
 	}
 	if err == nil {
+		plugin.Ready(f.agentErr)
 		_, err = plugin.Outcome()
 	}
 	f.mu.Lock()
 	f.outcomes = append(f.outcomes, err)
 	f.mu.Unlock()
-	return errors.Join(err, f.afterErr)
+	return errors.Join(err, f.agentErr)
 }
 func (f *fake) Del(_ context.Context, p *wire.Pod) error {
 	f.mu.Lock()
@@ -382,13 +384,16 @@ func TestAddConversationAndLogs(t *testing.T) {
 	if sock != nil {
 		sock.Close()
 	}
+	// The agent's done does not wait for the outcome: the two cross, so
+	// a plugin whose rules took longer than ztunnel's ack finds its
+	// answer waiting once it has sent its outcome.
+	if m, _, err = c.Recv(); err != nil || m.Kind != wire.KindDone {
+		t.Fatalf("done before the outcome: %+v %v", m, err)
+	}
 	rec, _ := json.Marshal(map[string]any{"level": "WARN", "msg": "from the plugin", "pod": "ns/p"})
 	out := &wire.Message{Kind: wire.KindOutcome, Logs: []json.RawMessage{rec, json.RawMessage(`["not a record"]`)}}
 	if err := c.Send(out, nil); err != nil {
 		t.Fatal(err)
-	}
-	if m, _, err = c.Recv(); err != nil || m.Kind != wire.KindDone {
-		t.Fatalf("done: %+v %v", m, err)
 	}
 	c.Close()
 	waitUntil(t, func() bool {
@@ -396,7 +401,8 @@ func TestAddConversationAndLogs(t *testing.T) {
 		defer hs.logMu.Unlock()
 		return strings.Contains(hs.log.String(), `level=WARN msg="from the plugin" source=plugin pod=ns/p`)
 	})
-	if got := f.seenOutcomes(); len(got) != 1 || got[0] != nil {
+	waitUntil(t, func() bool { return len(f.seenOutcomes()) == 1 })
+	if got := f.seenOutcomes(); got[0] != nil {
 		t.Errorf("handler saw %v, want one successful outcome", got)
 	}
 	if got := testutil.ToFloat64(hs.metrics.Requests.WithLabelValues("add", "success")); got != 1 {
@@ -423,11 +429,12 @@ func TestAddOutsideTheMeshEndsWithTheDecision(t *testing.T) {
 	}
 }
 
-// A failure after the plugin programmed its rules (ztunnel refused the
-// pod) is the answer to the outcome.
-func TestFailureAfterTheOutcomeFailsTheAdd(t *testing.T) {
+// A failure of the agent's own part (ztunnel refused the pod) is the
+// plugin's answer after its outcome, and the handler still gets the
+// outcome (to undo the rules the plugin programmed).
+func TestAgentsFailureFailsTheAdd(t *testing.T) {
 	f := &fake{decision: &wire.Verdict{Mode: wire.ModeAmbient},
-		afterErr: errors.New("ztunnel refused: cannot enter netns")}
+		agentErr: errors.New("ztunnel refused: cannot enter netns")}
 	hs := serve(t, f, "")
 	netns, _ := os.Open("/proc/self/ns/net")
 	defer netns.Close()
@@ -444,6 +451,10 @@ func TestFailureAfterTheOutcomeFailsTheAdd(t *testing.T) {
 	m, _, err := c.Recv()
 	if err != nil || m.Kind != wire.KindError || !strings.Contains(m.Error, "cannot enter netns") {
 		t.Fatalf("answer: %+v %v, want the handler's error", m, err)
+	}
+	waitUntil(t, func() bool { return testutil.ToFloat64(hs.metrics.Requests.WithLabelValues("add", "failure")) == 1 })
+	if got := f.seenOutcomes(); len(got) != 1 {
+		t.Errorf("handler saw %d outcomes, want the one the plugin sent", len(got))
 	}
 }
 

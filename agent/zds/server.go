@@ -338,16 +338,24 @@ func (s *Server) closeAll() {
 // netns open until it calls Del. With no ztunnel connected it returns
 // ErrNoZtunnel and remembers nothing.
 func (s *Server) Add(ctx context.Context, uid string, info WorkloadInfo, netns *os.File) error {
+	return s.StartAdd(ctx, uid, info, netns)()
+}
+
+// StartAdd is Add in two halves: it sends the AddWorkload and returns the
+// wait for its ack, which the caller must call, once (the connection is
+// held until then). ztunnel opens its listeners in the pod's netns before
+// it acks; the caller's own work overlaps that, with no goroutine to wake.
+func (s *Server) StartAdd(ctx context.Context, uid string, info WorkloadInfo, netns *os.File) (wait func() error) {
 	deadline := time.Now().Add(s.AckTimeout)
 	s.reg.RLock()
-	defer s.reg.RUnlock()
 	s.mu.Lock()
 	for len(s.conns) == 0 {
 		// A ztunnel still receiving its first snapshot (right after an
 		// agent or ztunnel start) is waited for, within the deadline.
 		if len(s.pending) == 0 || time.Now().After(deadline) {
 			s.mu.Unlock()
-			return ErrNoZtunnel
+			s.reg.RUnlock()
+			return func() error { return ErrNoZtunnel }
 		}
 		s.mu.Unlock()
 		s.reg.RUnlock()
@@ -357,15 +365,38 @@ func (s *Server) Add(ctx context.Context, uid string, info WorkloadInfo, netns *
 	}
 	c := s.conns[len(s.conns)-1]
 	s.mu.Unlock()
-	if err := c.requestWithin(&Request{Kind: KindAdd, UID: uid, Info: &info}, netns, time.Until(deadline)); err != nil {
-		var refused *AckError
-		if !errors.As(err, &refused) {
-			s.drop(c, err)
+	done := func(err error) error {
+		defer s.reg.RUnlock()
+		if err != nil {
+			var refused *AckError
+			if !errors.As(err, &refused) {
+				s.drop(c, err)
+			}
+			return fmt.Errorf("ztunnel AddWorkload %s: %w", uid, err)
 		}
-		return fmt.Errorf("ztunnel AddWorkload %s: %w", uid, err)
+		s.Track(uid, info, netns)
+		return nil
 	}
-	s.Track(uid, info, netns)
-	return nil
+	r := &Request{Kind: KindAdd, UID: uid, Info: &info}
+	if err := c.take(time.Until(deadline), r.Kind); err != nil {
+		err = done(err)
+		return func() error { return err }
+	}
+	if err := c.send(r, netns, deadline); err != nil {
+		c.release()
+		err = done(err)
+		return func() error { return err }
+	}
+	var once sync.Once
+	var err error
+	return func() error {
+		once.Do(func() {
+			err = c.awaitAck(r)
+			c.release()
+			err = done(err)
+		})
+		return err
+	}
 }
 
 // Track remembers a pod without telling ztunnel now (agent restart: pods
@@ -481,20 +512,43 @@ var errStuck = errors.New("ztunnel has not acked the request before it")
 // all within d.
 func (c *conn) requestWithin(r *Request, fd *os.File, d time.Duration) error {
 	deadline := time.Now().Add(d)
+	if err := c.take(d, r.Kind); err != nil {
+		return err
+	}
+	defer c.release()
+	return c.request(r, fd, deadline)
+}
+
+// take waits up to d for the connection's turn; release gives it back.
+func (c *conn) take(d time.Duration, kind Kind) error {
+	select {
+	case c.turn <- struct{}{}:
+		return nil
+	default:
+	}
 	t := time.NewTimer(d)
 	defer t.Stop()
 	select {
 	case c.turn <- struct{}{}:
+		return nil
 	case <-t.C:
-		return fmt.Errorf("sending %s within %v: %w", r.Kind, d, errStuck)
+		return fmt.Errorf("sending %s within %v: %w", kind, d, errStuck)
 	}
-	defer func() { <-c.turn }()
-	return c.request(r, fd, deadline)
 }
+
+func (c *conn) release() { <-c.turn }
 
 // request sends r (with fd on Add) and waits for its ack until deadline.
 // The caller has the connection's turn.
 func (c *conn) request(r *Request, fd *os.File, deadline time.Time) error {
+	if err := c.send(r, fd, deadline); err != nil {
+		return err
+	}
+	return c.awaitAck(r)
+}
+
+// send writes r (with fd on Add); the deadline holds until awaitAck.
+func (c *conn) send(r *Request, fd *os.File, deadline time.Time) error {
 	b, err := EncodeRequest(r)
 	if err != nil {
 		return err
@@ -504,10 +558,16 @@ func (c *conn) request(r *Request, fd *os.File, deadline time.Time) error {
 		oob = unix.UnixRights(int(fd.Fd()))
 	}
 	_ = c.uc.SetDeadline(deadline)
-	defer c.uc.SetDeadline(time.Time{})
 	if _, _, err := c.uc.WriteMsgUnix(b, oob, nil); err != nil {
+		_ = c.uc.SetDeadline(time.Time{})
 		return fmt.Errorf("sending %s: %w", r.Kind, err)
 	}
+	return nil
+}
+
+// awaitAck reads the ack of r, sent by send.
+func (c *conn) awaitAck(r *Request) error {
+	defer c.uc.SetDeadline(time.Time{})
 	resp, fds, err := c.recv()
 	for _, f := range fds {
 		unix.Close(f)

@@ -120,6 +120,35 @@ func TestAddAndDel(t *testing.T) {
 	}
 }
 
+// StartAdd's AddWorkload reaches ztunnel, which opens its listeners in the
+// pod's netns, before its caller waits for the ack: the caller's work
+// overlaps ztunnel's. The pod is held only once the ack is in.
+func TestStartAddSendsBeforeTheWait(t *testing.T) {
+	s, path := serve(t)
+	z := ztunneltest.Connect(t, path)
+	z.Wait(zds.KindSnapshotSent, "", wait)
+	waitConnected(t, s, true)
+	pod := testnet.NewNS(t, "nftzds")
+	ack := s.StartAdd(context.Background(), "uid-early", zds.WorkloadInfo{Name: "early"}, openNS(t, pod))
+	z.Wait(zds.KindAdd, "uid-early", wait) // applied: its listeners are open
+	if z.Pod("uid-early") == nil {
+		t.Fatal("ztunnel has no listeners for the pod before the wait")
+	}
+	if err := ack(); err != nil {
+		t.Fatal(err)
+	}
+	if err := ack(); err != nil { // once: a second call gives the same answer
+		t.Fatal(err)
+	}
+	if !s.Holds("uid-early") {
+		t.Error("pod not held after its ack")
+	}
+	// The connection is free again for the next request.
+	if err := s.Add(context.Background(), "uid-next", zds.WorkloadInfo{Name: "next"}, openNS(t, pod)); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // What inspect prints for pods the server holds with no ztunnel connected.
 func TestStateWithoutZtunnel(t *testing.T) {
 	s, _ := serve(t)

@@ -6,17 +6,21 @@
 // with its boundaries kept and a netns fd rides along in SCM_RIGHTS. A
 // message is one JSON object of at most MaxMessage bytes.
 //
-// One pod ADD is one connection and, for an enrolled pod, two round trips:
+// One pod ADD is one connection and, for an enrolled pod, four messages:
 //
 //	plugin -> agent   add      (pod identity, IPs, runtime annotations, netns fd)
 //	agent  -> plugin  decision (none / ambient / sidecar, and the ruleset
-//	                            encoded for the kernel: a Batch)
+//	                            encoded for the kernel: a Batch, with the
+//	                            netlink sockets to write it on)
+//	agent  -> plugin  done     (the agent's part in place: ztunnel, host
+//	                            probe set, record) or error
 //	plugin -> agent   outcome  (batch programmed, or why not; the call's logs)
-//	agent  -> plugin  done     (pod enrolled) or error (enrolment undone)
 //
 // A pod outside the mesh ends after the decision. While the plugin
-// programs, the agent does its own part of the enrolment (ztunnel, host
-// probe set, record) and undoes it if the outcome is a failure.
+// programs, the agent does its own part of the enrolment and answers done
+// without waiting for the outcome, which the plugin sends last, once it
+// has read done: the two cross, so neither side waits for the other to
+// wake up. A failure on either side makes the agent undo the enrolment.
 //
 // DEL, CHECK (with the netns fd), STATUS, GC and INSPECT are one request
 // and one reply each. Log records the plugin has left once its
