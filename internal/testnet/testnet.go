@@ -10,6 +10,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	mrand "math/rand/v2"
 	"net"
 	"net/netip"
 	"os"
@@ -69,14 +70,25 @@ func NewNS(t testing.TB, prefix string) *NS {
 }
 
 // FreePort is a TCP port on 127.0.0.1 nothing listens on right now.
+//
+// The port is drawn below the kernel's ephemeral range (32768 and up by
+// default), not asked of the kernel with port 0: a port it hands out that
+// way is free again once closed, and any outgoing connection of a test
+// running beside this one may take it before the server binds it (etcd
+// failed to start that way).
 func FreePort(t testing.TB) int {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
+	for range 1000 {
+		port := 20000 + mrand.IntN(12000)
+		l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", port))
+		if err != nil {
+			continue // taken
+		}
+		l.Close()
+		return port
 	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
+	t.Fatal("no free port in 20000-31999")
+	return 0
 }
 
 // Cached is where a tool the Makefile builds from the Go module proxy lives:
