@@ -63,6 +63,10 @@ if [ -n "$(m BenchmarkCNIAdd primary-ms-median)" ]; then
 	echo "   the appended plugin's exec inside the chain (libcni's own timing):"
 	vs BenchmarkCNIAdd "nftcni, enrolled (ambient) / reference tuning" enrolled-exec-ms-median tuning-exec-ms-median
 	vs BenchmarkCNIAdd "nftcni, pod outside the mesh / tuning" plain-exec-ms-median tuning-exec-ms-median
+	for v in enrolled plain; do
+		printf "    %-52s %.3fx, 90%% of resamples %.3f-%.3fx\n" "  $v / tuning, bootstrap over the rounds:" \
+			"$(m BenchmarkCNIAdd $v-vs-tuning-exec-x)" "$(m BenchmarkCNIAdd $v-vs-tuning-exec-x-p5)" "$(m BenchmarkCNIAdd $v-vs-tuning-exec-x-p95)"
+	done
 	vs BenchmarkCNIAdd "nftcni, excluded namespace / tuning" excluded-exec-ms-median tuning-exec-ms-median
 	vs BenchmarkCNIAdd "nullplugin (least a Go plugin does) / tuning" null-exec-ms-median tuning-exec-ms-median
 	vs BenchmarkCNIAdd "askplugin (nullplugin + one round trip) / tuning" ask-exec-ms-median tuning-exec-ms-median

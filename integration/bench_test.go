@@ -47,6 +47,7 @@ func BenchmarkCNIAdd(b *testing.B) {
 	testnet.RequireRoot(b)
 	n := newCNINode(b, 70)
 	n.pluginLogLevel = "info" // the product's default
+	n.run = tmpfsDir(b)
 	timed := newTimedExec(nil)
 	n.cni = libcni.NewCNIConfigWithCacheDir(n.cni.Path, b.TempDir(), timed)
 	n.startAgent()
@@ -121,8 +122,28 @@ func BenchmarkCNIAdd(b *testing.B) {
 	for v := range appended {
 		b.ReportMetric(q(v, 0.5)-q("primary", 0.5), "added-"+v+"-ms-median")
 	}
+	// The targets' ratios with their spread: the same medians over
+	// bootstrap resamples of the rounds (each round runs every variant).
+	for _, v := range []string{"enrolled", "plain"} {
+		r, lo, hi := addedRatio(samples, v+"-exec", "tuning-exec", "")
+		b.ReportMetric(r, v+"-vs-tuning-exec-x")
+		b.ReportMetric(lo, v+"-vs-tuning-exec-x-p5")
+		b.ReportMetric(hi, v+"-vs-tuning-exec-x-p95")
+	}
 	reportEnrolTimings(b, n.log.String())
 	b.ReportMetric(q("enrolled", 0.5)*1e6, "ns/op")
+}
+
+// tmpfsDir is a directory on a tmpfs, as the agent's run dir is on a node
+// (/var/run): its records are written with fsync, which a tmpfs makes free
+// and this machine's ext4 /tmp does not.
+func tmpfsDir(t testing.TB) string {
+	dir, err := os.MkdirTemp("/dev/shm", "nftcni-bench-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
 }
 
 // respondAtOnce serves askplugin until the benchmark ends: every
@@ -222,9 +243,19 @@ func reportQuantiles(b *testing.B, order []string, samples map[string][]time.Dur
 // the 5th and 95th percentiles of the same ratio over bootstrap resamples
 // of the rounds (a round keeps its variants together, so slow drift on the
 // machine cancels). Sandbox starts here vary by ±10 ms around 50–200 ms,
-// so an "added" of a few ms needs its interval beside it.
+// so an "added" of a few ms needs its interval beside it. With base ""
+// it compares the variants themselves (the appended plugin's exec).
 func addedRatio(samples map[string][]time.Duration, v, ref, base string) (ratio, lo, hi float64) {
-	n := min(len(samples[v]), len(samples[ref]), len(samples[base]))
+	n := min(len(samples[v]), len(samples[ref]))
+	if base != "" {
+		n = min(n, len(samples[base]))
+	}
+	at := func(variant string, r int) float64 {
+		if base == "" {
+			return float64(samples[variant][r])
+		}
+		return float64(samples[variant][r] - samples[base][r])
+	}
 	median := func(xs []float64) float64 {
 		s := slices.Clone(xs)
 		slices.Sort(s)
@@ -233,8 +264,7 @@ func addedRatio(samples map[string][]time.Duration, v, ref, base string) (ratio,
 	of := func(rounds []int) float64 {
 		dv, dr := make([]float64, len(rounds)), make([]float64, len(rounds))
 		for i, r := range rounds {
-			dv[i] = float64(samples[v][r] - samples[base][r])
-			dr[i] = float64(samples[ref][r] - samples[base][r])
+			dv[i], dr[i] = at(v, r), at(ref, r)
 		}
 		return median(dv) / median(dr)
 	}
@@ -271,7 +301,7 @@ func BenchmarkRunPodSandbox(b *testing.B) {
 			nodes := map[string]*criNode{
 				"primary": newCRINode(b, gen, 30+3*i, "1.0.0", ""),
 				"tuning":  newCRINode(b, gen, 31+3*i, "1.0.0", "tuning"),
-				"nftcni":  newCRINode(b, gen, 32+3*i, "1.0.0", "nftcni"),
+				"nftcni":  newCRINode(b, gen, 32+3*i, "1.0.0", "nftcni", "--run-dir", tmpfsDir(b)), // a node's /run
 			}
 			order := []string{"primary", "tuning", "plain", "enrolled"}
 			samples := map[string][]time.Duration{}
