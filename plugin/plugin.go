@@ -4,8 +4,8 @@
 // the decision with the pod's ruleset already encoded for the kernel and
 // the netlink sockets, made by the agent in the pod's netns, to write it
 // on; it writes that batch (one send, one ack; the policy routes likewise)
-// and reports the outcome, with its logs, while the agent hands the netns
-// to ztunnel and records the pod. Two round trips; the agent
+// while the agent hands the netns to ztunnel and records the pod, reads
+// the agent's done and sends its outcome, with its logs, last; the agent
 // marks the pod enrolled only once both sides are done. The plugin never
 // talks to Kubernetes: identity comes from CNI_ARGS and prevResult, pod
 // annotations from the runtime's io.kubernetes.cri.pod-annotations

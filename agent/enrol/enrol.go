@@ -206,8 +206,10 @@ func (e *Enroller) record(p *pod, d *enablement.Decision) *records.Record {
 // how says how an enrolment comes about at the moment it happens.
 type how struct {
 	// rules puts the ruleset in place: the plugin's outcome at ADD, the
-	// agent's own Program elsewhere, a deferred check at restart. It runs
-	// beside the other steps (at ADD, once ready has been called).
+	// agent's own Program elsewhere, a deferred check at restart. At ADD
+	// the outcome is read once ready has been called; elsewhere it runs
+	// once ztunnel has acked (nothing is redirected to ports no one
+	// listens on), beside the probe set entry and the record.
 	rules func(context.Context) error
 	// start, if set, runs once ztunnel has been sent the pod and before
 	// the other steps begin: at ADD it sends the plugin its decision, so
