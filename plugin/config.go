@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"strconv"
 	"strings"
 
 	"github.com/tidwall/gjson"
@@ -203,14 +204,10 @@ func parseResult(p gjson.Result) (*result, error) {
 		e := resultIP{address: ip.Get("address").String()}
 		if i := ip.Get("interface"); i.Exists() && i.Type != gjson.Null {
 			e.bad = true
-			if n := i.Int(); i.Type == gjson.Number && n >= 0 {
-				ifaces.ForEach(func(_, iface gjson.Result) bool {
-					if n--; n >= 0 {
-						return true
-					}
+			if n := i.Int(); i.Type == gjson.Number && n >= 0 && ifaces.IsArray() {
+				if iface := ifaces.Get(strconv.FormatInt(n, 10)); iface.Exists() {
 					e.ifname, e.bad = iface.Get("name").String(), false
-					return false
-				})
+				}
 			}
 		}
 		r.ips = append(r.ips, e)

@@ -8,7 +8,6 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
-	"sync"
 	"time"
 
 	"github.com/tidwall/gjson"
@@ -55,9 +54,9 @@ func (l level) String() string {
 	return "INFO"
 }
 
-// records collects one invocation's log records.
+// records collects one invocation's log records (the plugin logs from its
+// one goroutine).
 type records struct {
-	mu   sync.Mutex
 	list []json.RawMessage
 	lost int
 }
@@ -85,8 +84,6 @@ func (r *records) add(t time.Time, lvl level, msg, containerID, pod string, args
 		b = appendAttr(b, fmt.Sprint(args[i]), args[i+1])
 	}
 	b = append(b, '}')
-	r.mu.Lock()
-	defer r.mu.Unlock()
 	if len(r.list) >= maxRecords {
 		r.lost++
 		return
@@ -119,8 +116,6 @@ func appendAttr(b []byte, key string, v any) []byte {
 }
 
 func (r *records) take() []json.RawMessage {
-	r.mu.Lock()
-	defer r.mu.Unlock()
 	out := r.list
 	if r.lost > 0 {
 		b, _ := json.Marshal(map[string]any{"level": "WARN", "msg": "log records dropped", "count": r.lost})

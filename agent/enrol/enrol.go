@@ -245,7 +245,7 @@ func (e *Enroller) enrol(ctx context.Context, p *pod, d *enablement.Decision, h 
 	zt, probes, recs := e.opts.Ztunnel, e.opts.Probes, e.opts.Records
 	var ztErr, probeErr, recErr error
 	ztDone, probeDone, recDone := false, false, false
-	ztAck := func() {} // waits for ztunnel's ack, once
+	ztAck := func() {} // waits for ztunnel's ack; each path calls it once
 	if ambient && zt != nil {
 		if h.restored {
 			zt.Track(p.uid, e.workload(p), p.netns)
@@ -255,11 +255,11 @@ func (e *Enroller) enrol(ctx context.Context, p *pod, d *enablement.Decision, h 
 			// the pod's netns first): the AddWorkload goes out before
 			// anything else, its ack is waited for last.
 			wait := zt.StartAdd(ctx, p.uid, e.workload(p), p.netns)
-			ztAck = sync.OnceFunc(func() {
+			ztAck = func() {
 				if ztErr = wait(); ztErr == nil {
 					ztDone = true
 				}
-			})
+			}
 		}
 	}
 	if h.start != nil {

@@ -120,13 +120,7 @@ func (c *Conn) SendWith(m *Message, fds []int) error {
 	if err != nil {
 		return err
 	}
-	return c.sendBytes(b, fds, m.Kind)
-}
-
-// SendBytes writes one encoded message of kind (for errors), with fds
-// attached (none when empty).
-func (c *Conn) SendBytes(b []byte, fds []int, kind Kind) error {
-	return c.sendBytes(b, fds, kind)
+	return c.SendBytes(b, fds, m.Kind)
 }
 
 func fdsOf(f *os.File) []int {
@@ -136,7 +130,9 @@ func fdsOf(f *os.File) []int {
 	return []int{int(f.Fd())}
 }
 
-func (c *Conn) sendBytes(b []byte, fds []int, kind Kind) error {
+// SendBytes writes one encoded message of kind (for errors), with fds
+// attached (none when empty).
+func (c *Conn) SendBytes(b []byte, fds []int, kind Kind) error {
 	if len(b) > MaxMessage {
 		return fmt.Errorf("%s message of %d bytes exceeds the %d-byte limit", kind, len(b), MaxMessage)
 	}
