@@ -8,15 +8,16 @@ package ztunneltest
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"os"
+	"runtime"
 	"sync"
 	"syscall"
 	"testing"
 	"time"
 
-	"github.com/containernetworking/plugins/pkg/ns"
 	"golang.org/x/sys/unix"
 
 	"github.com/nftcni/nftcni/agent/zds"
@@ -264,13 +265,33 @@ func closeFDs(fds []int) {
 	}
 }
 
-// listen opens ztunnel's three listeners inside the pod's netns.
+// listen opens ztunnel's three listeners inside the pod's netns as
+// ztunnel does: on the thread handling the request, between a setns into
+// the pod's netns and one back, with no thread or goroutine of its own.
 func (p *Pod) listen() error {
-	netns, err := ns.GetNS(fmt.Sprintf("/proc/self/fd/%d", p.netns.Fd()))
+	runtime.LockOSThread()
+	host, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
 	if err != nil {
+		runtime.UnlockOSThread()
 		return err
 	}
-	defer netns.Close()
+	defer unix.Close(host)
+	if err := unix.Setns(int(p.netns.Fd()), unix.CLONE_NEWNET); err != nil {
+		runtime.UnlockOSThread()
+		return fmt.Errorf("entering the pod's netns: %w", err)
+	}
+	err = p.listenHere()
+	if rerr := unix.Setns(host, unix.CLONE_NEWNET); rerr != nil {
+		// The thread stays locked to this goroutine, whose only new
+		// sockets are made here, after a switch into a pod's netns.
+		return errors.Join(err, fmt.Errorf("leaving the pod's netns: %w", rerr))
+	}
+	runtime.UnlockOSThread()
+	return err
+}
+
+// listenHere opens the listeners in the calling thread's netns.
+func (p *Pod) listenHere() error {
 	lc := net.ListenConfig{Control: func(_, _ string, c syscall.RawConn) error {
 		var serr error
 		err := c.Control(func(fd uintptr) {
@@ -290,15 +311,13 @@ func (p *Pod) listen() error {
 		}
 		return serr
 	}}
-	return netns.Do(func(ns.NetNS) error {
-		var err error
-		if p.Outbound, err = lc.Listen(context.Background(), "tcp", "[::]:15001"); err != nil {
-			return err
-		}
-		if p.Inbound, err = lc.Listen(context.Background(), "tcp", "[::]:15006"); err != nil {
-			return err
-		}
-		p.HBONE, err = lc.Listen(context.Background(), "tcp", "[::]:15008")
+	var err error
+	if p.Outbound, err = lc.Listen(context.Background(), "tcp", "[::]:15001"); err != nil {
 		return err
-	})
+	}
+	if p.Inbound, err = lc.Listen(context.Background(), "tcp", "[::]:15006"); err != nil {
+		return err
+	}
+	p.HBONE, err = lc.Listen(context.Background(), "tcp", "[::]:15008")
+	return err
 }
