@@ -245,33 +245,31 @@ func (e *Enroller) enrol(ctx context.Context, p *pod, d *enablement.Decision, h 
 	zt, probes, recs := e.opts.Ztunnel, e.opts.Probes, e.opts.Records
 	var ztErr, probeErr, recErr error
 	ztDone, probeDone, recDone := false, false, false
+	if h.start != nil {
+		if err := h.start(ctx); err != nil {
+			if !h.restored && p.netns != nil {
+				_ = e.rules.Remove(p.fd()) // the plugin may have begun
+			}
+			return fmt.Errorf("enrolling pod %s (%s): %w", p.id.Key(), d.Mode, err)
+		}
+	}
 	ztAck := func() {} // waits for ztunnel's ack; each path calls it once
 	if ambient && zt != nil {
 		if h.restored {
 			zt.Track(p.uid, e.workload(p), p.netns)
 			ztDone = true
 		} else {
-			// ztunnel's ack is the longest step (it opens its listeners in
-			// the pod's netns first): the AddWorkload goes out before
-			// anything else, its ack is waited for last.
+			// The plugin, woken by its decision, programs the rules while
+			// ztunnel opens its listeners in the pod's netns: the
+			// AddWorkload goes out right after the decision (woken first,
+			// ztunnel would take this CPU before the decision is out), and
+			// its ack is waited for last.
 			wait := zt.StartAdd(ctx, p.uid, e.workload(p), p.netns)
 			ztAck = func() {
 				if ztErr = wait(); ztErr == nil {
 					ztDone = true
 				}
 			}
-		}
-	}
-	if h.start != nil {
-		if err := h.start(ctx); err != nil {
-			ztAck()
-			if ztDone && !h.restored {
-				e.ztunnelRelease(p)
-			}
-			if !h.restored && p.netns != nil {
-				_ = e.rules.Remove(p.fd()) // the plugin may have begun
-			}
-			return fmt.Errorf("enrolling pod %s (%s): %w", p.id.Key(), d.Mode, err)
 		}
 	}
 	own := func() { // the probe set entry, then the record
@@ -291,11 +289,11 @@ func (e *Enroller) enrol(ctx context.Context, p *pod, d *enablement.Decision, h 
 	if h.ready != nil {
 		// The plugin is programming the rules in its own process, woken
 		// by the decision, and ztunnel is opening its listeners: the probe
-		// set entry and the record wait for ztunnel's ack, when a CPU is
-		// free, rather than take one from the plugin (the kernel tends to
-		// run the plugin on the CPU that woke it, this one).
-		ztAck()
+		// set entry and the record are made meanwhile. ztunnel's ack is
+		// the longer branch: two wake-ups of other processes and its
+		// listeners, against the plugin's one batch.
 		own()
+		ztAck()
 		h.ready(errors.Join(ztErr, probeErr, recErr))
 		rulesErr = h.rules(ctx)
 	} else {
