@@ -19,7 +19,7 @@ go test -run '^$' -bench '^BenchmarkCNIAdd$' -benchtime 200x -count=1 ./integrat
 # istio-bins) through the same libcni harness, both of its backends.
 go test -run '^$' -bench 'IstioCNIAdd' -benchtime 60x -count=1 -timeout 30m ./integration | tee -a "$out"
 # Pod sandboxes through containerd's CRI (1.6 and 2.x), with and without nftcni.
-go test -run '^$' -bench 'RunPodSandbox' -benchtime 60x -count=1 -timeout 30m ./integration | tee -a "$out"
+go test -run '^$' -bench 'RunPodSandbox' -benchtime 150x -count=1 -timeout 30m ./integration | tee -a "$out"
 # The agent with 500 enrolled pods: enrolment throughput, restart, memory.
 go test -run '^$' -bench 'AgentRestart500' -benchtime 3x -count=1 -timeout 30m ./integration | tee -a "$out"
 # The live handover from Istio's own agent: 20 pods per backend, 500 pods.
@@ -117,6 +117,15 @@ for gen in containerd-1.6 containerd-2; do
 		printf "    %-34s %6.2fx (90%% of resamples: %.2f-%.2fx)\n" "added: $v / tuning, paired by round" \
 			"$(cm $v-vs-tuning-added-x)" "$(cm $v-vs-tuning-added-x-p5)" "$(cm $v-vs-tuning-added-x-p95)"
 	done
+	if [ -n "$(cm enrolled-cni-setup-ms-median)" ]; then
+		printf "    %-34s %6.2f / %6.2f / %6.2f / %6.2f\n" "containerd's own CNI set-up timer" "$(cm primary-cni-setup-ms-median)" \
+			"$(cm tuning-cni-setup-ms-median)" "$(cm plain-cni-setup-ms-median)" "$(cm enrolled-cni-setup-ms-median)"
+		printf "    %-34s (bridge alone / + tuning / + nftcni outside the mesh / enrolled, ms, medians)\n" ""
+		for v in enrolled plain; do
+			printf "    %-34s %6.2fx (90%% of resamples: %.2f-%.2fx)\n" "set-up added: $v / tuning, paired" \
+				"$(cm $v-vs-tuning-cni-setup-added-x)" "$(cm $v-vs-tuning-cni-setup-added-x-p5)" "$(cm $v-vs-tuning-cni-setup-added-x-p95)"
+		done
+	fi
 	printf "    %-34s agent %s ms; plugin: decision at %s ms, rules in at %s ms from its start\n" "inside nftcni, enrolled (medians)" \
 		"$(cm enrolled-agent-ms-median)" "$(cm enrolled-plugin-decided-ms-median)" "$(cm enrolled-plugin-programmed-ms-median)"
 done

@@ -76,6 +76,8 @@ type criNode struct {
 	t       testing.TB
 	h       *host
 	subnet  int
+	version string // the conflists' cniVersion
+	ipam    string // host-local's store
 	primary string // the primary conflist's path
 	podSrc  string
 	agent   *exec.Cmd
@@ -90,7 +92,15 @@ type criNode struct {
 // primary alone), and then containerd in the node netns.
 func newCRINode(t testing.TB, gen containerdtest.Generation, subnet int, version string, chained string, args ...string) *criNode {
 	t.Helper()
-	n := &criNode{t: t, h: newHost(t), subnet: subnet}
+	n := placeCRINode(t, subnet, version, chained, args...)
+	n.startContainerd(gen, nil)
+	return n
+}
+
+// placeCRINode is newCRINode up to containerd's start.
+func placeCRINode(t testing.TB, subnet int, version string, chained string, args ...string) *criNode {
+	t.Helper()
+	n := &criNode{t: t, h: newHost(t), subnet: subnet, version: version, ipam: filepath.Join(t.TempDir(), "ipam")}
 	if err := os.Remove(n.h.path()); err != nil {
 		t.Fatal(err)
 	}
@@ -99,11 +109,23 @@ func newCRINode(t testing.TB, gen containerdtest.Generation, subnet int, version
 	for _, p := range []string{"bridge", "host-local", "loopback", "tuning"} {
 		copyFile(t, filepath.Join(ref, p), filepath.Join(n.h.bin, p))
 	}
+	n.primary = n.writeConflist(n.h.conf, chained)
+	if chained == "nftcni" {
+		n.podSrc = podSourceDir(t, criPods())
+		n.startAgent(args...)
+	}
+	return n
+}
+
+// writeConflist writes the node's bridge conflist into dir, with reference
+// tuning chained after it when chained is "tuning" (a chained plugin that
+// does nothing: the control), and returns its path. Every conflist of a
+// node names the same network, bridge and IPAM store.
+func (n *criNode) writeConflist(dir, chained string) string {
 	tail := ""
 	if chained == "tuning" {
-		tail = `,{"type":"tuning"}` // a chained plugin that does nothing: the control
+		tail = `,{"type":"tuning"}`
 	}
-	n.primary = filepath.Join(n.h.conf, "10-crinet.conflist")
 	doc := fmt.Sprintf(`{
   "cniVersion": %q,
   "name": "crinet%d",
@@ -112,16 +134,22 @@ func newCRINode(t testing.TB, gen containerdtest.Generation, subnet int, version
      "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.90.%d.0/24"}]], "routes": [{"dst": "0.0.0.0/0"}], "dataDir": %q}}%s
   ]
 }
-`, version, subnet, subnet, subnet, filepath.Join(t.TempDir(), "ipam"), tail)
-	if err := os.WriteFile(n.primary, []byte(doc), 0o644); err != nil {
-		t.Fatal(err)
+`, n.version, n.subnet, n.subnet, n.subnet, n.ipam, tail)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		n.t.Fatal(err)
 	}
-	if chained == "nftcni" {
-		n.podSrc = podSourceDir(t, criPods())
-		n.startAgent(args...)
+	path := filepath.Join(dir, "10-crinet.conflist")
+	if err := os.WriteFile(path, []byte(doc), 0o644); err != nil {
+		n.t.Fatal(err)
 	}
-	n.ctrd = containerdtest.Start(t, gen, containerdtest.Options{Netns: n.h.netns.Path, ConfDir: n.h.conf, BinDir: n.h.bin})
-	return n
+	return path
+}
+
+// startContainerd runs the node's containerd on the node's conf dir, with
+// handlers (runtime handler -> CNI conf dir) beside it.
+func (n *criNode) startContainerd(gen containerdtest.Generation, handlers map[string]string) {
+	n.t.Helper()
+	n.ctrd = containerdtest.Start(n.t, gen, containerdtest.Options{Netns: n.h.netns.Path, ConfDir: n.h.conf, BinDir: n.h.bin, Handlers: handlers})
 }
 
 // startAgent runs the agent process (again) and connects a new test

@@ -19,15 +19,22 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
+	"maps"
+	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/containernetworking/plugins/pkg/ns"
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
@@ -93,6 +100,10 @@ type Options struct {
 	// ConfDir and BinDir are CNI's: the conflist and every plugin, as on a
 	// node (containerd 1.6 takes a single bin dir).
 	ConfDir, BinDir string
+	// Handlers are further runtime handlers, each with a CNI conf dir of
+	// its own (containerd 2.x's per-handler cni_conf_dir): pods of one
+	// containerd on different chains. RunOn picks one.
+	Handlers map[string]string
 }
 
 // Containerd is a running private containerd and a CRI client to it.
@@ -104,6 +115,7 @@ type Containerd struct {
 	t       testing.TB
 	cmd     *exec.Cmd
 	conn    *grpc.ClientConn
+	metrics *http.Client // dials into containerd's netns
 
 	mu        sync.Mutex
 	sandboxes map[string]bool // ids this harness created, for cleanup
@@ -126,7 +138,8 @@ func Start(t testing.TB, gen Generation, o Options) *Containerd {
 
 	cfg := filepath.Join(dir, "config.toml")
 	if err := os.WriteFile(cfg, []byte(Config(gen, Paths{Root: filepath.Join(dir, "root"), State: filepath.Join(dir, "state"),
-		Sock: c.Sock, RuncRoot: filepath.Join(dir, "runc"), BinDir: o.BinDir, ConfDir: o.ConfDir})), 0o600); err != nil {
+		Sock: c.Sock, RuncRoot: filepath.Join(dir, "runc"), BinDir: o.BinDir, ConfDir: o.ConfDir, Handlers: o.Handlers,
+		Metrics: metricsAddr})), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	logf, err := os.Create(filepath.Join(dir, "containerd.log"))
@@ -148,6 +161,15 @@ func Start(t testing.TB, gen Generation, o Options) *Containerd {
 		t.Fatal(err)
 	}
 	c.Runtime = runtimeapi.NewRuntimeServiceClient(c.conn)
+	c.metrics = &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{
+		DialContext: func(ctx context.Context, network, addr string) (conn net.Conn, err error) {
+			err = ns.WithNetNSPath(o.Netns, func(ns.NetNS) error {
+				conn, err = (&net.Dialer{}).DialContext(ctx, network, addr)
+				return err
+			})
+			return conn, err
+		}}}
+	t.Cleanup(c.metrics.CloseIdleConnections)
 	if err := c.waitReady(30 * time.Second); err != nil {
 		t.Fatalf("%s: %v\n%s", gen.Name, err, c.Log())
 	}
@@ -159,12 +181,21 @@ func Start(t testing.TB, gen Generation, o Options) *Containerd {
 type Paths struct {
 	Root, State, Sock, RuncRoot string
 	BinDir, ConfDir             string
+	Handlers                    map[string]string // runtime handler -> CNI conf dir (2.x only)
+	Metrics                     string            // host:port of the Prometheus endpoint, if any
 }
+
+// metricsAddr is where Start's containerd serves its metrics, inside its
+// own netns (one containerd per netns: the port is always free there).
+const metricsAddr = "127.0.0.1:1338"
 
 // Config is containerd's config for gen: cgroupfs (no systemd here), no
 // snapshotters but overlayfs, and restrict_oom_score_adj, without which
 // runc cannot start a sandbox on this machine (root lacks CAP_SYS_RESOURCE).
 func Config(gen Generation, p Paths) string {
+	if len(p.Handlers) > 0 && !gen.V2 {
+		panic("containerdtest: runtime handlers with their own CNI conf dir need containerd 2.x")
+	}
 	disabled := `["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs", "io.containerd.tracing.processor.v1.otlp"]`
 	opt := filepath.Join(p.Root, "opt")
 	if gen.V2 {
@@ -200,7 +231,7 @@ disabled_plugins = %[3]s
       [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
         SystemdCgroup = false
         Root = %[10]q
-`, p.Root, p.State, disabled, p.Sock, p.Sock+".ttrpc", opt, PauseImage, p.BinDir, p.ConfDir, p.RuncRoot)
+`, p.Root, p.State, disabled, p.Sock, p.Sock+".ttrpc", opt, PauseImage, p.BinDir, p.ConfDir, p.RuncRoot) + handlers(p) + metrics(p, "plugins.'io.containerd.server.v1.metrics'")
 	}
 	return fmt.Sprintf(`version = 2
 root = %[1]q
@@ -230,7 +261,32 @@ disabled_plugins = %[3]s
       [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
         SystemdCgroup = false
         Root = %[10]q
-`, p.Root, p.State, disabled, p.Sock, p.Sock+".ttrpc", opt, PauseImage, p.BinDir, p.ConfDir, p.RuncRoot)
+`, p.Root, p.State, disabled, p.Sock, p.Sock+".ttrpc", opt, PauseImage, p.BinDir, p.ConfDir, p.RuncRoot) + metrics(p, "metrics")
+}
+
+// metrics is the table that serves containerd's Prometheus metrics.
+func metrics(p Paths, table string) string {
+	if p.Metrics == "" {
+		return ""
+	}
+	return fmt.Sprintf("[%s]\n  address = %q\n", table, p.Metrics)
+}
+
+// handlers is the runtime table of each extra handler: runc as the
+// default handler runs it, on the handler's own CNI conf dir.
+func handlers(p Paths) string {
+	var b strings.Builder
+	for _, name := range slices.Sorted(maps.Keys(p.Handlers)) {
+		fmt.Fprintf(&b, `    [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.%[1]s]
+      runtime_type = "io.containerd.runc.v2"
+      cni_conf_dir = %[2]q
+      cni_max_conf_num = 1
+      [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.%[1]s.options]
+        SystemdCgroup = false
+        Root = %[3]q
+`, name, p.Handlers[name], p.RuncRoot)
+	}
+	return b.String()
 }
 
 func (c *Containerd) waitReady(limit time.Duration) error {
@@ -293,9 +349,15 @@ func (c *Containerd) Pod(namespace, name, uid string, annotations map[string]str
 // Run is RunPodSandbox; the sandbox is stopped and removed at cleanup if
 // the test did not.
 func (c *Containerd) Run(cfg *runtimeapi.PodSandboxConfig) (string, error) {
+	return c.RunOn("", cfg)
+}
+
+// RunOn is Run through runtime handler (one of Options.Handlers; "" is
+// the default).
+func (c *Containerd) RunOn(handler string, cfg *runtimeapi.PodSandboxConfig) (string, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	r, err := c.Runtime.RunPodSandbox(ctx, &runtimeapi.RunPodSandboxRequest{Config: cfg})
+	r, err := c.Runtime.RunPodSandbox(ctx, &runtimeapi.RunPodSandboxRequest{Config: cfg, RuntimeHandler: handler})
 	if err != nil {
 		return "", err
 	}
@@ -319,6 +381,31 @@ func (c *Containerd) Remove(id string) error {
 	defer cancel()
 	_, err := c.Runtime.RemovePodSandbox(ctx, &runtimeapi.RemovePodSandboxRequest{PodSandboxId: id})
 	return err
+}
+
+// NetworkSetup is containerd's own running total of the time it spent in
+// CNI ADDs (network_plugin_operations_duration_seconds, set_up_pod; go-metrics adds a second _seconds: its
+// timer around the whole chain, loopback included). The difference across
+// one RunPodSandbox is that sandbox's network set-up, without the rest of
+// the call's noise.
+func (c *Containerd) NetworkSetup() (time.Duration, error) {
+	const series = `containerd_cri_network_plugin_operations_duration_seconds_seconds_sum{operation_type="set_up_pod"} `
+	resp, err := c.metrics.Get("http://" + metricsAddr + "/v1/metrics")
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return 0, err
+	}
+	for _, l := range strings.Split(string(body), "\n") {
+		if v, ok := strings.CutPrefix(l, series); ok {
+			secs, err := strconv.ParseFloat(v, 64)
+			return time.Duration(secs * float64(time.Second)), err
+		}
+	}
+	return 0, nil // no ADD yet: containerd has not made the series
 }
 
 // Sandbox is what the runtime reports about a running sandbox.
