@@ -145,12 +145,14 @@ func TestCNIConcurrentAdds(t *testing.T) {
 			t.Errorf("DEL %d: %v", i, err)
 		}
 	}
+	// The agent closes the sockets it removed rules with after its answer
+	// (enrol's closeLater), so both counts settle shortly after the DELs.
+	deadline := time.Now().Add(2 * time.Second)
+	for (fdCount(t) != fds || runtime.NumGoroutine() > goroutines) && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
 	if got := fdCount(t); got != fds {
 		t.Errorf("descriptors after DELs: %d, want %d", got, fds)
-	}
-	deadline := time.Now().Add(2 * time.Second)
-	for runtime.NumGoroutine() > goroutines && time.Now().Before(deadline) {
-		time.Sleep(10 * time.Millisecond)
 	}
 	if got := runtime.NumGoroutine(); got > goroutines {
 		t.Errorf("goroutines after DELs: %d, before ADDs: %d", got, goroutines)

@@ -425,8 +425,10 @@ func (c *call) agentDown(pod *wire.Pod, cause error, stdout io.Writer) error {
 			pod.Key(), why, sock, cause), "")
 }
 
-// Del handles CNI DEL: remove our table and routes if the netns still
-// exists, tell the agent, and succeed whatever is already gone.
+// Del handles CNI DEL: the agent removes our table and routes through the
+// netns, handed over while it exists, and releases the pod; without the
+// agent the plugin removes them itself. It succeeds whatever is already
+// gone.
 func (p *Plugin) Del(args *Args) error {
 	c, err := p.start(args)
 	if err != nil {
@@ -440,15 +442,19 @@ func (p *Plugin) Del(args *Args) error {
 		c.debug("passing through", "reason", why)
 		return nil
 	}
+	var fds []int
 	if netns, err := openNetns(args.Netns); err == nil {
-		c.removeRules(netns)
-		unix.Close(netns)
+		fds = []int{netns}
+		defer unix.Close(netns)
 	} else if args.Netns != "" && !errors.Is(err, os.ErrNotExist) {
 		c.warn("could not open the pod's netns", "netns", args.Netns, "err", err)
 	}
 	m := &wire.Message{Kind: wire.KindDel, Pod: c.pod(nil), Logs: c.recs.take()}
-	if _, err := c.ask(m, nil, wire.KindDone); err != nil {
+	if _, err := c.ask(m, fds, wire.KindDone); err != nil {
 		c.warn("could not tell the agent about DEL; it reconciles on its own", "err", err)
+		if len(fds) > 0 {
+			c.removeRules(fds[0])
+		}
 	}
 	return nil
 }

@@ -476,21 +476,63 @@ func TestPodWithoutUIDIsNeverSentToZtunnel(t *testing.T) {
 func TestDelOfUnknownPodSendsNoDel(t *testing.T) {
 	r := newRig(t)
 	wp, _ := r.sandbox("mesh", "ghost", "", "10.0.0.9")
-	if err := r.e.Del(context.Background(), wp); err != nil {
+	if err := r.e.Del(context.Background(), wp, nil); err != nil {
 		t.Fatal(err)
 	}
 	wp.UID = "uid-ghost"
-	if err := r.e.Del(context.Background(), wp); err != nil {
+	if err := r.e.Del(context.Background(), wp, nil); err != nil {
 		t.Fatal(err)
 	}
 	r.expectNot("zt.Del ", "zt.Del mesh/ghost", "zt.Del uid-ghost") // ztunnel never held it
 	// One ztunnel holds without a tracked attachment (adopted, no record):
 	// the DEL lets it go, by its real UID.
 	r.zt.held["uid-ghost"] = true
-	if err := r.e.Del(context.Background(), wp); err != nil {
+	if err := r.e.Del(context.Background(), wp, nil); err != nil {
 		t.Fatal(err)
 	}
 	r.expect("zt.Del uid-ghost")
+}
+
+// The agent removes a pod's rules at DEL through the descriptor the
+// plugin hands over, tracked pod or not; with no descriptor (netns gone)
+// there is nothing to remove.
+func TestDelRemovesTheRulesThroughTheHandedNetns(t *testing.T) {
+	r := newRig(t)
+	r.namespace("mesh", true)
+	if err := r.addA(nil); err != nil {
+		t.Fatal(err)
+	}
+	if r.dump("a") == "" {
+		t.Fatal("the ADD left no rules to remove")
+	}
+	wp, _ := r.sandbox("mesh", "a", "uid-a", "10.0.0.5")
+	wp.Netns = ""
+	if err := r.e.Del(context.Background(), wp, r.netns["a"]); err != nil {
+		t.Fatal(err)
+	}
+	if got := r.dump("a"); got != "" {
+		t.Errorf("rules left after DEL:\n%s", got)
+	}
+	r.expect("zt.Del uid-a")
+	if len(r.e.Members()) != 0 {
+		t.Errorf("the agent still tracks %v", r.e.Members())
+	}
+
+	// A pod the agent never saw (a restart lost it): its rules still go.
+	ghost, ns := r.sandbox("mesh", "ghost", "uid-ghost", "10.0.0.9")
+	b, err := nft.Encode(nft.Ambient(nft.AmbientSpec{DNSCapture: true}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.rules.Fake.Program(int(ns.Fd()), b); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.e.Del(context.Background(), ghost, ns); err != nil {
+		t.Fatal(err)
+	}
+	if got := r.dump("ghost"); got != "" {
+		t.Errorf("rules of an untracked pod left after DEL:\n%s", got)
+	}
 }
 
 func TestPodGoneFromSourceIsReleased(t *testing.T) {

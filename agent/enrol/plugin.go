@@ -134,13 +134,28 @@ func (e *Enroller) Add(ctx context.Context, wp *wire.Pod, netns *os.File, plugin
 	return nil
 }
 
-// Del is the pod's DEL: the plugin removed the rules in the netns; the
-// rest of the enrolment goes here, and the pod is forgotten.
-func (e *Enroller) Del(ctx context.Context, wp *wire.Pod) error {
+// Del is the pod's DEL: the rules go through netns, the descriptor the
+// plugin hands over while the netns exists (whether this agent tracks the
+// pod or not), the rest of the enrolment goes, and the pod is forgotten.
+// The agent removes the rules rather than the plugin: its sockets are
+// closed after the answer (see closer), the plugin's would hold the DEL.
+func (e *Enroller) Del(ctx context.Context, wp *wire.Pod, netns *os.File) error {
 	e.mu.Lock()
 	p := e.pods[wp.Attachment]
 	e.mu.Unlock()
+	remove := func() error {
+		if netns == nil {
+			return nil
+		}
+		if err := e.rules.Remove(int(netns.Fd())); err != nil {
+			return fmt.Errorf("removing the rules of pod %s: %w", wp.Key(), err)
+		}
+		return nil
+	}
 	if p == nil {
+		if err := remove(); err != nil {
+			return err
+		}
 		// Never seen, or gone already. ztunnel holds only what this agent
 		// gave it, so a pod kept without a netns (adopted, no record) is
 		// the one thing left to let go, by its real UID.
@@ -151,6 +166,11 @@ func (e *Enroller) Del(ctx context.Context, wp *wire.Pod) error {
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	// Under the pod's lock: a verification pass cannot put back what
+	// this removes.
+	if err := remove(); err != nil {
+		return err
+	}
 	if p.gone {
 		return nil
 	}

@@ -19,12 +19,62 @@ var podCleanup = sync.OnceValues(func() (*nlsend.Removal, error) { return nft.En
 func (NftRules) Program(fd int, b *nft.Batch) error { return nft.Program(fd, b) }
 
 // Remove deletes our table and every policy route any pod ruleset makes.
+// Its sockets are closed afterwards, by closer.
 func (NftRules) Remove(fd int) error {
 	r, err := podCleanup()
 	if err != nil {
 		return err
 	}
-	return nlsend.Remove(fd, r)
+	socks, err := nlsend.Dial(fd, nlsend.RemovalProtos(r)...)
+	if err != nil {
+		return err
+	}
+	defer closeLater(socks)
+	return nlsend.RemoveOn(socks, r)
+}
+
+// closing holds netlink sockets to close after the caller has answered.
+// The last close of an nf_tables socket that deleted something waits
+// until the kernel has destroyed it: nf_tables' release handler flushes
+// its destroy work, whose RCU grace period took 7 ms and more here. A DEL
+// waiting on the agent's answer need not wait for that. One goroutine,
+// there only while there is something to close, bounds the threads those
+// waits hold; past maxClosing queued, the caller closes in place.
+var closing struct {
+	mu      sync.Mutex
+	queue   [][]int
+	running bool
+}
+
+const maxClosing = 256
+
+func closeLater(socks []int) {
+	closing.mu.Lock()
+	defer closing.mu.Unlock()
+	if len(closing.queue) >= maxClosing {
+		nlsend.CloseAll(socks)
+		return
+	}
+	closing.queue = append(closing.queue, socks)
+	if !closing.running {
+		closing.running = true
+		go closeQueued()
+	}
+}
+
+func closeQueued() {
+	for {
+		closing.mu.Lock()
+		if len(closing.queue) == 0 {
+			closing.running = false
+			closing.mu.Unlock()
+			return
+		}
+		socks := closing.queue[0]
+		closing.queue = closing.queue[1:]
+		closing.mu.Unlock()
+		nlsend.CloseAll(socks)
+	}
 }
 
 // Check is nft.Check.

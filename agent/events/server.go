@@ -43,8 +43,10 @@ type Handler interface {
 	// answer to the add; one after Ready is the agent's to act on (the
 	// plugin has its answer).
 	Add(ctx context.Context, pod *wire.Pod, netns *os.File, plugin Plugin) error
-	// Del is the pod's DEL: release whatever is held for it.
-	Del(ctx context.Context, pod *wire.Pod) error
+	// Del is the pod's DEL: remove the pod's rules through netns (nil
+	// when the netns is gone) and release whatever is held for it. An
+	// error leaves the removal to the plugin.
+	Del(ctx context.Context, pod *wire.Pod, netns *os.File) error
 	// Check verifies the ruleset in the netns behind netns against what
 	// the pod should have (CHECK).
 	Check(ctx context.Context, pod *wire.Pod, netns *os.File) error
@@ -201,7 +203,7 @@ func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 		}
 	case wire.KindDel:
 		s.pluginLogs(ctx, m.Logs)
-		err = s.h.Del(ctx, m.Pod)
+		err = s.h.Del(ctx, m.Pod, fd)
 	case wire.KindStatus:
 		err = s.h.Ready()
 	case wire.KindGC:

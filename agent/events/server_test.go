@@ -85,7 +85,7 @@ func (f *fake) Add(_ context.Context, _ *wire.Pod, _ *os.File, plugin Plugin) er
 	f.mu.Unlock()
 	return errors.Join(err, f.agentErr)
 }
-func (f *fake) Del(_ context.Context, p *wire.Pod) error {
+func (f *fake) Del(_ context.Context, p *wire.Pod, _ *os.File) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.deleted = append(f.deleted, p.Key())

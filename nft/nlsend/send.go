@@ -150,20 +150,29 @@ func CheckSockets(fd int, socks []int, protos []int) error {
 
 // Remove deletes what r names; whatever is already gone is not an error.
 func Remove(fd int, r *Removal) error {
-	return onSockets(fd, Protos(&Batch{Routes: r.Routes}), func(socks []int) error {
-		var errs []error
-		for _, t := range r.Tables {
-			if err := talk(socks[0], t, gone); err != nil {
-				errs = append(errs, fmt.Errorf("deleting a table: %w", err))
-			}
+	return onSockets(fd, RemovalProtos(r), func(socks []int) error { return RemoveOn(socks, r) })
+}
+
+// RemovalProtos are the protocols of the sockets RemoveOn takes for r.
+func RemovalProtos(r *Removal) []int { return Protos(&Batch{Routes: r.Routes}) }
+
+// RemoveOn is Remove on sockets made in the netns already (Dial with
+// RemovalProtos). The last close of an nf_tables socket that deleted
+// something waits for the kernel to destroy it (an RCU grace period):
+// a caller with someone waiting on it can close them afterwards.
+func RemoveOn(socks []int, r *Removal) error {
+	var errs []error
+	for _, t := range r.Tables {
+		if err := talk(socks[0], t, gone); err != nil {
+			errs = append(errs, fmt.Errorf("deleting a table: %w", err))
 		}
-		if len(r.Routes) > 0 {
-			if err := talk(socks[1], r.Routes, gone); err != nil {
-				errs = append(errs, fmt.Errorf("deleting policy routes: %w", err))
-			}
+	}
+	if len(r.Routes) > 0 {
+		if err := talk(socks[1], r.Routes, gone); err != nil {
+			errs = append(errs, fmt.Errorf("deleting policy routes: %w", err))
 		}
-		return errors.Join(errs...)
-	})
+	}
+	return errors.Join(errs...)
 }
 
 // SpliceReplace puts the replace messages right after the batch begin of
