@@ -163,6 +163,16 @@ func RemovalProtos(r *Removal) []int { return Protos(&Batch{Routes: r.Routes}) }
 func RemoveOn(socks []int, r *Removal) error {
 	var errs []error
 	for _, t := range r.Tables {
+		// A batch that fails is aborted, and nf_tables' abort waits for
+		// an RCU grace period before it answers (5 ms here): the delete
+		// of a table that is not there (a pod outside the mesh) would
+		// pay it. A get of the table does not.
+		if there, err := tableThere(socks[0], t); err != nil || !there {
+			if err != nil {
+				errs = append(errs, fmt.Errorf("looking for a table: %w", err))
+			}
+			continue
+		}
 		if err := talk(socks[0], t, gone); err != nil {
 			errs = append(errs, fmt.Errorf("deleting a table: %w", err))
 		}
@@ -173,6 +183,31 @@ func RemoveOn(socks []int, r *Removal) error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// tableThere asks whether the table that batch deletes exists: batch's
+// table delete message sent alone as a get of the same table.
+func tableThere(s int, batch []byte) (bool, error) {
+	const del, get = unix.NFNL_SUBSYS_NFTABLES<<8 | unix.NFT_MSG_DELTABLE, unix.NFNL_SUBSYS_NFTABLES<<8 | unix.NFT_MSG_GETTABLE
+	for b := batch; len(b) >= unix.SizeofNlMsghdr; {
+		l := int(binary.NativeEndian.Uint32(b))
+		if l < unix.SizeofNlMsghdr || l > len(b) {
+			return false, errors.New("malformed removal batch")
+		}
+		if binary.NativeEndian.Uint16(b[4:]) == del {
+			q := append([]byte(nil), b[:l]...)
+			binary.NativeEndian.PutUint16(q[4:], get)
+			binary.NativeEndian.PutUint16(q[6:], unix.NLM_F_REQUEST|unix.NLM_F_ACK)
+			absent := false
+			err := talk(s, q, func(_ uint16, errno unix.Errno) bool {
+				absent = errno == unix.ENOENT
+				return absent
+			})
+			return !absent, err
+		}
+		b = b[min(nlmAlign(l), len(b)):]
+	}
+	return false, errors.New("removal batch deletes no table")
 }
 
 // SpliceReplace puts the replace messages right after the batch begin of
