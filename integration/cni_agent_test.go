@@ -90,6 +90,20 @@ func TestCNIAgentDown(t *testing.T) {
 // fdCount counts this process's open descriptors; the agent runs in-process.
 func fdCount(t *testing.T) int { t.Helper(); return openFDs(t, os.Getpid()) }
 
+// settledFDs is fdCount once it has held still for longer than the agent
+// keeps the sockets of a removal open (an earlier test's DELs may have
+// some still queued for closing).
+func settledFDs(t *testing.T) int {
+	t.Helper()
+	n, since := fdCount(t), time.Now()
+	for deadline := since.Add(5 * time.Second); time.Since(since) < 500*time.Millisecond && time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+		if m := fdCount(t); m != n {
+			n, since = m, time.Now()
+		}
+	}
+	return n
+}
+
 // 50 ADDs at once into 50 namespaces all succeed with the right rules, and
 // the agent is back to its descriptors and goroutines after the DELs.
 func TestCNIConcurrentAdds(t *testing.T) {
@@ -105,7 +119,7 @@ func TestCNIConcurrentAdds(t *testing.T) {
 		n.pod(meshNS, name, nil)
 		rts[i] = runtimeConf(nss[i], meshNS, name, nil)
 	}
-	fds, goroutines := fdCount(t), runtime.NumGoroutine()
+	fds, goroutines := settledFDs(t), runtime.NumGoroutine()
 
 	run := func(f func(i int) error) []error {
 		errs := make([]error, pods)

@@ -3,6 +3,7 @@ package enrol
 import (
 	"encoding/json"
 	"sync"
+	"time"
 
 	"github.com/nftcni/nftcni/agent/enablement"
 	"github.com/nftcni/nftcni/nft"
@@ -33,20 +34,30 @@ func (NftRules) Remove(fd int) error {
 	return nlsend.RemoveOn(socks, r)
 }
 
-// closing holds netlink sockets to close after the caller has answered.
-// The last close of an nf_tables socket that deleted something waits
-// until the kernel has destroyed it: nf_tables' release handler flushes
-// its destroy work, whose RCU grace period took 7 ms and more here. A DEL
-// waiting on the agent's answer need not wait for that. One goroutine,
-// there only while there is something to close, bounds the threads those
-// waits hold; past maxClosing queued, the caller closes in place.
+// closing holds netlink sockets to close a while after the caller has
+// answered. The last close of an nf_tables socket that deleted something
+// waits until the kernel has destroyed it: nf_tables' release handler
+// flushes its destroy work (an RCU grace period, 7 ms and more here), and
+// holds the netns's nf_tables mutex meanwhile, which the removal of the
+// pod's interface (the primary's DEL, right after ours) takes too. By
+// closeDelay the work has run on its own and the close costs nothing.
+// One goroutine, there only while there is something to close, keeps
+// them; past maxClosing queued, the caller closes in place.
 var closing struct {
 	mu      sync.Mutex
-	queue   [][]int
+	queue   []queued
 	running bool
 }
 
-const maxClosing = 256
+type queued struct {
+	socks []int
+	at    time.Time
+}
+
+const (
+	maxClosing = 256
+	closeDelay = 200 * time.Millisecond
+)
 
 func closeLater(socks []int) {
 	closing.mu.Lock()
@@ -55,7 +66,7 @@ func closeLater(socks []int) {
 		nlsend.CloseAll(socks)
 		return
 	}
-	closing.queue = append(closing.queue, socks)
+	closing.queue = append(closing.queue, queued{socks, time.Now().Add(closeDelay)})
 	if !closing.running {
 		closing.running = true
 		go closeQueued()
@@ -70,10 +81,11 @@ func closeQueued() {
 			closing.mu.Unlock()
 			return
 		}
-		socks := closing.queue[0]
+		q := closing.queue[0]
 		closing.queue = closing.queue[1:]
 		closing.mu.Unlock()
-		nlsend.CloseAll(socks)
+		time.Sleep(time.Until(q.at))
+		nlsend.CloseAll(q.socks)
 	}
 }
 
