@@ -65,14 +65,21 @@ func (l *trail) reset() {
 // fakeRules is nft's Fake, with each call on the trail.
 type fakeRules struct {
 	*nft.Fake
-	l *trail
+	l         *trail
+	removeErr error // Remove fails with it, when set
 }
 
 func (r *fakeRules) Program(fd int, b *nft.Batch) error {
 	r.l.add("rules.Program")
 	return r.Fake.Program(fd, b)
 }
-func (r *fakeRules) Remove(fd int) error { r.l.add("rules.Remove"); return r.Fake.Remove(fd) }
+func (r *fakeRules) Remove(fd int) error {
+	r.l.add("rules.Remove")
+	if r.removeErr != nil {
+		return r.removeErr
+	}
+	return r.Fake.Remove(fd)
+}
 
 // istioNat is istio-cni's iptables backend's state as a survey finds it.
 func istioNat() *nft.IstioState {
@@ -532,6 +539,26 @@ func TestDelRemovesTheRulesThroughTheHandedNetns(t *testing.T) {
 	}
 	if got := r.dump("ghost"); got != "" {
 		t.Errorf("rules of an untracked pod left after DEL:\n%s", got)
+	}
+}
+
+// A removal that fails at DEL is the DEL's error (the plugin then removes
+// the rules itself), and the pod is released all the same.
+func TestDelReleasesThePodWhenTheRemovalFails(t *testing.T) {
+	r := newRig(t)
+	r.namespace("mesh", true)
+	if err := r.addA(nil); err != nil {
+		t.Fatal(err)
+	}
+	r.rules.removeErr = errors.New("netlink says no")
+	wp, _ := r.sandbox("mesh", "a", "uid-a", "10.0.0.5")
+	err := r.e.Del(context.Background(), wp, r.netns["a"])
+	if err == nil || !strings.Contains(err.Error(), "netlink says no") {
+		t.Fatalf("DEL whose removal fails: %v", err)
+	}
+	r.expect("zt.Del uid-a")
+	if len(r.e.Members()) != 0 {
+		t.Errorf("the agent still tracks %v", r.e.Members())
 	}
 }
 

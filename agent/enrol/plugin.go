@@ -2,6 +2,7 @@ package enrol
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"time"
@@ -138,7 +139,9 @@ func (e *Enroller) Add(ctx context.Context, wp *wire.Pod, netns *os.File, plugin
 // plugin hands over while the netns exists (whether this agent tracks the
 // pod or not), the rest of the enrolment goes, and the pod is forgotten.
 // The agent removes the rules rather than the plugin: its sockets are
-// closed after the answer (see closer), the plugin's would hold the DEL.
+// closed after the answer (closeLater), the plugin's would hold the DEL.
+// A failed removal is the error (the plugin then removes them itself);
+// the pod is released all the same.
 func (e *Enroller) Del(ctx context.Context, wp *wire.Pod, netns *os.File) error {
 	e.mu.Lock()
 	p := e.pods[wp.Attachment]
@@ -153,28 +156,24 @@ func (e *Enroller) Del(ctx context.Context, wp *wire.Pod, netns *os.File) error 
 		return nil
 	}
 	if p == nil {
-		if err := remove(); err != nil {
-			return err
-		}
+		rerr := remove()
 		// Never seen, or gone already. ztunnel holds only what this agent
 		// gave it, so a pod kept without a netns (adopted, no record) is
 		// the one thing left to let go, by its real UID.
 		if zt := e.opts.Ztunnel; zt != nil && wp.UID != "" && zt.Holds(wp.UID) && !e.uidTracked(wp.UID) {
 			zt.Del(wp.UID)
 		}
-		return nil
+		return rerr
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	// Under the pod's lock: a verification pass cannot put back what
 	// this removes.
-	if err := remove(); err != nil {
-		return err
-	}
+	rerr := remove()
 	if p.gone {
-		return nil
+		return rerr
 	}
-	return e.release(ctx, p, releaseHow{why: "DEL", rulesGone: true, forget: true, keepAnnotation: true})
+	return errors.Join(rerr, e.release(ctx, p, releaseHow{why: "DEL", rulesGone: true, forget: true, keepAnnotation: true}))
 }
 
 // uidTracked says whether any attachment with uid is tracked.
