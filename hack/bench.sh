@@ -128,6 +128,10 @@ for gen in containerd-1.6 containerd-2; do
 	fi
 	printf "    %-34s agent %s ms; plugin: decision at %s ms, rules in at %s ms from its start\n" "inside nftcni, enrolled (medians)" \
 		"$(cm enrolled-agent-ms-median)" "$(cm enrolled-plugin-decided-ms-median)" "$(cm enrolled-plugin-programmed-ms-median)"
+	if [ -n "$(cm enrolled-stop-ms-median)" ]; then
+		printf "    %-34s %6.2f / %6.2f / %6.2f / %6.2f\n" "StopPodSandbox (the CNI DEL), ms" \
+			"$(cm primary-stop-ms-median)" "$(cm tuning-stop-ms-median)" "$(cm plain-stop-ms-median)" "$(cm enrolled-stop-ms-median)"
+	fi
 done
 for size in 20-iptables 20-nftables 500-nftables; do
 	hm() { m "BenchmarkIstioHandover/$size" "$1"; }
