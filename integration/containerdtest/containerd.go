@@ -272,8 +272,8 @@ func metrics(p Paths, table string) string {
 	return fmt.Sprintf("[%s]\n  address = %q\n", table, p.Metrics)
 }
 
-// handlers is the runtime table of each extra handler: runc as the
-// default handler runs it, on the handler's own CNI conf dir.
+// handlers is the runtime table of each extra handler: runc, configured
+// as the default handler is, with the handler's own CNI conf dir.
 func handlers(p Paths) string {
 	var b strings.Builder
 	for _, name := range slices.Sorted(maps.Keys(p.Handlers)) {
