@@ -211,10 +211,10 @@ type how struct {
 	// once ztunnel has acked (nothing is redirected to ports no one
 	// listens on), beside the probe set entry and the record.
 	rules func(context.Context) error
-	// start, if set, runs once ztunnel has been sent the pod and before
-	// the other steps begin: at ADD it sends the plugin its decision, so
-	// that the plugin's critical path does not wait behind the agent's own
-	// work for a CPU.
+	// start, if set, runs before every other step, ztunnel's Add
+	// included: at ADD it sends the plugin its decision, so that the
+	// plugin's critical path does not wait behind the agent's own work,
+	// or a ztunnel woken first, for a CPU.
 	start func(context.Context) error
 	// ready, if set, is told once ztunnel, the probe set and the record
 	// are done (nil) or one of them failed, before rules runs. At ADD the
