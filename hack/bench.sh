@@ -126,6 +126,15 @@ for gen in containerd-1.6 containerd-2; do
 				"$(cm $v-vs-tuning-cni-setup-added-x)" "$(cm $v-vs-tuning-cni-setup-added-x-p5)" "$(cm $v-vs-tuning-cni-setup-added-x-p95)"
 		done
 	fi
+	if [ -n "$(cm enrolled-exec-ms-median)" ]; then
+		printf "    %-34s %6.2f / %6.2f / %6.2f\n" "the appended plugin's run, exec to exit" \
+			"$(cm tuning-exec-ms-median)" "$(cm plain-exec-ms-median)" "$(cm enrolled-exec-ms-median)"
+		printf "    %-34s (tuning / nftcni outside the mesh / enrolled, ms, medians; kernel process events)\n" ""
+		for v in enrolled plain; do
+			printf "    %-34s %6.2fx (90%% of resamples: %.2f-%.2fx)\n" "run: $v / tuning, paired" \
+				"$(cm $v-vs-tuning-exec-x)" "$(cm $v-vs-tuning-exec-x-p5)" "$(cm $v-vs-tuning-exec-x-p95)"
+		done
+	fi
 	printf "    %-34s agent %s ms; plugin: decision at %s ms, rules in at %s ms from its start\n" "inside nftcni, enrolled (medians)" \
 		"$(cm enrolled-agent-ms-median)" "$(cm enrolled-plugin-decided-ms-median)" "$(cm enrolled-plugin-programmed-ms-median)"
 	if [ -n "$(cm enrolled-stop-ms-median)" ]; then
