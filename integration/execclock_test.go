@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -129,10 +130,13 @@ func (c *execClock) read() {
 		switch {
 		case what == procEventExec:
 			// The plugin lives milliseconds; its exe link is there now.
+			// A binary replaced since (an agent reinstalling its plugin)
+			// reads "<path> (deleted)".
 			exe, err := os.Readlink(fmt.Sprintf("/proc/%d/exe", tgid))
-			if err == nil && c.names[filepath.Base(exe)] {
+			name := filepath.Base(strings.TrimSuffix(exe, " (deleted)"))
+			if err == nil && c.names[name] {
 				c.mu.Lock()
-				c.running[tgid] = execRun{name: filepath.Base(exe), exec: ts}
+				c.running[tgid] = execRun{name: name, exec: ts}
 				c.mu.Unlock()
 			}
 		case what == procEventExit && pid == tgid:
