@@ -260,6 +260,8 @@ type addConv struct {
 // fresh process for every pod, and entering a netns costs a fresh Go
 // process a thread of its own and the first use of everything on the way,
 // where this process has them warm. A plugin given none makes its own.
+// They are made on this goroutine's thread (DialHere): handing the work to
+// another goroutine woke a second thread of an agent idle until the add.
 func (a *addConv) Decide(v *wire.Verdict, b *nft.Batch) error {
 	if a.decided {
 		return errors.New("the ADD was decided already")
@@ -270,7 +272,7 @@ func (a *addConv) Decide(v *wire.Verdict, b *nft.Batch) error {
 	if v.Mode != wire.ModeNone && b != nil {
 		m.Batch = &b.Batch
 		var err error
-		if socks, err = nlsend.Dial(int(a.netns.Fd()), nlsend.Protos(&b.Batch)...); err != nil {
+		if socks, err = nlsend.DialHere(int(a.netns.Fd()), nlsend.Protos(&b.Batch)...); err != nil {
 			a.s.log.Debug("could not make the pod's netlink sockets; the plugin makes its own", "err", err)
 		}
 		defer nlsend.CloseAll(socks)

@@ -247,34 +247,57 @@ func Dial(fd int, protos ...int) ([]int, error) {
 }
 
 // InNetns runs f on a thread inside the netns behind fd (sockets made
-// there stay there; /proc/thread-self shows that netns). The thread is
-// locked for the purpose; if it could not switch back it stays locked, so
-// the Go runtime retires it rather than run other work in the pod's netns.
+// there stay there; /proc/thread-self shows that netns), on a goroutine
+// of its own. If the thread could not switch back it stays locked, so the
+// Go runtime retires it with the goroutine rather than run other work in
+// the pod's netns.
 func InNetns(fd int, f func() error) error {
 	done := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		self, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
-		if err != nil {
-			runtime.UnlockOSThread()
-			done <- fmt.Errorf("opening this thread's netns: %w", err)
-			return
-		}
-		defer unix.Close(self)
-		if err := unix.Setns(fd, unix.CLONE_NEWNET); err != nil {
-			runtime.UnlockOSThread()
-			done <- fmt.Errorf("entering the pod's netns: %w", err)
-			return
-		}
-		ferr := f()
-		if serr := unix.Setns(self, unix.CLONE_NEWNET); serr != nil {
-			done <- fmt.Errorf("leaving the pod's netns: %w", serr)
-			return // still locked: this thread ends with the goroutine
-		}
-		runtime.UnlockOSThread()
-		done <- ferr
-	}()
+	go func() { done <- inNetnsHere(fd, f) }()
 	return <-done
+}
+
+// DialHere is Dial on the calling goroutine's own thread: no goroutine is
+// started and none is waited for, so no other thread is woken. If the
+// thread cannot switch back, the error says so and the calling goroutine
+// stays locked to it, in the pod's netns, until it ends: it can still
+// work on descriptors it holds, and the Go runtime makes new threads from
+// a clean one, never from a locked thread.
+func DialHere(fd int, protos ...int) ([]int, error) {
+	var socks []int
+	err := inNetnsHere(fd, func() error {
+		var err error
+		socks, err = openSockets(protos)
+		return err
+	})
+	if err != nil {
+		CloseAll(socks)
+		return nil, err
+	}
+	return socks, nil
+}
+
+// inNetnsHere runs f on this goroutine's thread, locked to it, inside the
+// netns behind fd, and switches back. It unlocks the thread only once the
+// thread is back in its own netns.
+func inNetnsHere(fd int, f func() error) error {
+	runtime.LockOSThread()
+	self, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		runtime.UnlockOSThread()
+		return fmt.Errorf("opening this thread's netns: %w", err)
+	}
+	defer unix.Close(self)
+	if err := unix.Setns(fd, unix.CLONE_NEWNET); err != nil {
+		runtime.UnlockOSThread()
+		return fmt.Errorf("entering the pod's netns: %w", err)
+	}
+	ferr := f()
+	if serr := unix.Setns(self, unix.CLONE_NEWNET); serr != nil {
+		return fmt.Errorf("leaving the pod's netns: %w", serr) // still locked
+	}
+	runtime.UnlockOSThread()
+	return ferr
 }
 
 func openSockets(protos []int) ([]int, error) {

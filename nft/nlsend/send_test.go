@@ -108,6 +108,33 @@ func TestCheckSocketsRefusesAnotherNetns(t *testing.T) {
 	}
 }
 
+// TestDialHereComesBack: DialHere makes the sockets in the pod's netns on
+// the caller's own thread, and that thread is back in its own netns after.
+func TestDialHereComesBack(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("entering a netns needs root")
+	}
+	pod := newNetns(t)
+	runtime.LockOSThread() // the thread checked below is the one DialHere uses
+	defer runtime.UnlockOSThread()
+	before, err := os.Readlink("/proc/thread-self/ns/net")
+	if err != nil {
+		t.Fatal(err)
+	}
+	protos := []int{unix.NETLINK_NETFILTER, unix.NETLINK_ROUTE}
+	socks, err := DialHere(pod, protos...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer CloseAll(socks)
+	if err := CheckSockets(pod, socks, protos); err != nil {
+		t.Errorf("DialHere's sockets: %v", err)
+	}
+	if after, err := os.Readlink("/proc/thread-self/ns/net"); err != nil || after != before {
+		t.Errorf("the thread is in %s after DialHere, was in %s (%v)", after, before, err)
+	}
+}
+
 // newNetns makes an unnamed netns that lives as long as the returned fd:
 // a thread unshares into it and ends with its goroutine, still locked.
 func newNetns(t *testing.T) int {
