@@ -45,8 +45,13 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-// buildBinaries builds what the tests exec into dir.
+// buildBinaries builds what the tests exec and installs it into dir.
 func buildBinaries(dir string) error {
+	staging, err := os.MkdirTemp("", "nftcni-integration-build")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(staging)
 	exp := "nogreenteagc" // the Makefile's PLUGIN_GOEXPERIMENT, when the toolchain knows it
 	probe := exec.Command("go", "env", "GOEXPERIMENT")
 	probe.Env = append(os.Environ(), "GOEXPERIMENT="+exp)
@@ -60,13 +65,51 @@ func buildBinaries(dir string) error {
 		{exp, []string{"../plugin/cmd/nftcni", "./cmd/nullplugin", "./cmd/askplugin", "./cmd/hello"}}, // the plugin and its benchmark baselines
 		{"", []string{"../agent/cmd/nftcni-agent", "./cmd/nodeapp", "./cmd/ztunnel-stub"}},
 	} {
-		build := exec.Command("go", append([]string{"build", "-trimpath", "-ldflags", "-s -w", "-o", dir + "/"}, b.pkgs...)...)
+		build := exec.Command("go", append([]string{"build", "-trimpath", "-ldflags", "-s -w", "-o", staging + "/"}, b.pkgs...)...)
 		build.Env = append(os.Environ(), "CGO_ENABLED=0", "GOEXPERIMENT="+b.experiment)
 		if out, err := build.CombinedOutput(); err != nil {
 			return fmt.Errorf("%v: %v\n%s", b.pkgs, err, out)
 		}
 	}
+	return installDir(staging, dir)
+}
+
+// installDir writes a copy of every file in from into to, as a node's
+// binaries are installed (the agent writes its plugin; packages and image
+// layers write theirs). Here a binary exec'd from pages it was written
+// through runs 0.1-0.2 ms faster than one whose pages came in through
+// exec's own page faults, as the Go linker's output renamed into place
+// does (measured: 1.41 against 1.54 ms for the same bytes, and the copy
+// as slow once its pages are dropped): every binary a benchmark compares
+// must come the same way.
+func installDir(from, to string) error {
+	ents, err := os.ReadDir(from)
+	if err != nil {
+		return err
+	}
+	for _, e := range ents {
+		if err := installFile(filepath.Join(from, e.Name()), filepath.Join(to, e.Name())); err != nil {
+			return err
+		}
+	}
 	return nil
+}
+
+func installFile(from, to string) error {
+	in, err := os.Open(from)
+	if err != nil {
+		return err
+	}
+	defer in.Close()
+	out, err := os.OpenFile(to, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o755)
+	if err != nil {
+		return err
+	}
+	if _, err := io.Copy(out, in); err != nil {
+		out.Close()
+		return err
+	}
+	return out.Close()
 }
 
 type host struct {

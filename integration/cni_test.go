@@ -50,8 +50,24 @@ func referencePlugins(t testing.TB) string {
 			t.Fatalf("reference CNI plugin %s not found in %s: run `make cni-plugins` (make test does) or set NFTCNI_CNI_BIN", p, dir)
 		}
 	}
-	return dir
+	// Installed once per test binary, as nftcni is (installDir).
+	refOnce.Do(func() {
+		refDir = filepath.Join(binDir, "reference")
+		if refErr = os.Mkdir(refDir, 0o755); refErr == nil {
+			refErr = installDir(dir, refDir)
+		}
+	})
+	if refErr != nil {
+		t.Fatalf("installing the reference CNI plugins: %v", refErr)
+	}
+	return refDir
 }
+
+var (
+	refOnce sync.Once
+	refDir  string
+	refErr  error
+)
 
 // syncBuffer is a goroutine-safe log sink tests can read.
 type syncBuffer struct {

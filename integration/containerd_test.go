@@ -3,7 +3,6 @@ package integration
 import (
 	"bufio"
 	"fmt"
-	"io"
 	"net/http"
 	"net/netip"
 	"os"
@@ -440,19 +439,7 @@ func mustRead(t testing.TB, p string) []byte {
 
 func copyFile(t testing.TB, from, to string) {
 	t.Helper()
-	in, err := os.Open(from)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer in.Close()
-	out, err := os.OpenFile(to, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o755)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := io.Copy(out, in); err != nil {
-		t.Fatal(err)
-	}
-	if err := out.Close(); err != nil {
+	if err := installFile(from, to); err != nil {
 		t.Fatal(err)
 	}
 }
