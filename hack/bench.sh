@@ -67,6 +67,13 @@ if [ -n "$(m BenchmarkCNIAdd primary-ms-median)" ]; then
 		printf "    %-52s %.3fx, 90%% of resamples %.3f-%.3fx\n" "  $v / tuning, bootstrap over the rounds:" \
 			"$(m BenchmarkCNIAdd $v-vs-tuning-exec-x)" "$(m BenchmarkCNIAdd $v-vs-tuning-exec-x-p5)" "$(m BenchmarkCNIAdd $v-vs-tuning-exec-x-p95)"
 	done
+	# NFTCNI_BENCH_BASE_PLUGIN=/path/to/another/build/nftcni: this build against that one, same run.
+	if [ -n "$(m BenchmarkCNIAdd enrolled-vs-base-exec-x)" ]; then
+		for v in enrolled plain; do
+			printf "    %-52s %.3fx, 90%% of resamples %.3f-%.3fx\n" "  $v / the base build's, bootstrap:" \
+				"$(m BenchmarkCNIAdd $v-vs-base-exec-x)" "$(m BenchmarkCNIAdd $v-vs-base-exec-x-p5)" "$(m BenchmarkCNIAdd $v-vs-base-exec-x-p95)"
+		done
+	fi
 	vs BenchmarkCNIAdd "nftcni, excluded namespace / tuning" excluded-exec-ms-median tuning-exec-ms-median
 	vs BenchmarkCNIAdd "nullplugin (least a Go plugin does) / tuning" null-exec-ms-median tuning-exec-ms-median
 	vs BenchmarkCNIAdd "askplugin (nullplugin + one round trip) / tuning" ask-exec-ms-median tuning-exec-ms-median

@@ -16,6 +16,7 @@ import (
 
 	"github.com/containernetworking/cni/libcni"
 	"github.com/containernetworking/cni/pkg/invoke"
+	"github.com/tidwall/sjson"
 	"golang.org/x/sys/unix"
 
 	"github.com/nftcni/nftcni/conflist"
@@ -66,6 +67,24 @@ func BenchmarkCNIAdd(b *testing.B) {
 	execs := map[string]string{"hello-exec": filepath.Join(binDir, "hello"), "nftcni-version-exec": filepath.Join(binDir, "nftcni"),
 		"tuning-version-exec": filepath.Join(referencePlugins(b), "tuning")}
 	order := []string{"primary", "tuning", "null", "ask", "excluded", "plain", "enrolled", "hello-exec", "nftcni-version-exec", "tuning-version-exec"}
+	targets := []string{"enrolled", "plain"}
+	// Another build of the plugin (NFTCNI_BENCH_BASE_PLUGIN: the same
+	// command at the commit to compare with) runs as two more variants on
+	// the same agent: a change to the plugin is then measured within one
+	// run, where runs apart differ by about as much as such a change.
+	if base := os.Getenv("NFTCNI_BENCH_BASE_PLUGIN"); base != "" {
+		copyFile(b, base, filepath.Join(binDir, "nftcnibase"))
+		entry, err := sjson.SetBytes(n.entry(false), "type", "nftcnibase")
+		if err != nil {
+			b.Fatal(err)
+		}
+		for _, v := range []string{"plain-base", "enrolled-base"} {
+			lists[v] = withPlugin(b, primary, "nftcnibase", string(entry))
+			appended[v] = "nftcnibase"
+		}
+		order = append(order, "plain-base", "enrolled-base")
+		targets = append(targets, "plain-base", "enrolled-base")
+	}
 	pods := map[string]*testnet.NS{}
 	for v := range lists {
 		pods[v] = testnet.NewNS(b, "nftbench")
@@ -87,7 +106,7 @@ func BenchmarkCNIAdd(b *testing.B) {
 			}
 			namespace, name := plainNS, fmt.Sprintf("%s-%d", v, i)
 			switch v {
-			case "enrolled":
+			case "enrolled", "enrolled-base":
 				namespace = meshNS
 			case "excluded":
 				namespace = "kube-system" // passes through without asking the agent
@@ -124,11 +143,19 @@ func BenchmarkCNIAdd(b *testing.B) {
 	}
 	// The targets' ratios with their spread: the same medians over
 	// bootstrap resamples of the rounds (each round runs every variant).
-	for _, v := range []string{"enrolled", "plain"} {
+	for _, v := range targets {
 		r, lo, hi := addedRatio(samples, v+"-exec", "tuning-exec", "")
 		b.ReportMetric(r, v+"-vs-tuning-exec-x")
 		b.ReportMetric(lo, v+"-vs-tuning-exec-x-p5")
 		b.ReportMetric(hi, v+"-vs-tuning-exec-x-p95")
+	}
+	if len(samples["enrolled-base-exec"]) > 0 {
+		for _, v := range []string{"enrolled", "plain"} {
+			r, lo, hi := addedRatio(samples, v+"-exec", v+"-base-exec", "")
+			b.ReportMetric(r, v+"-vs-base-exec-x")
+			b.ReportMetric(lo, v+"-vs-base-exec-x-p5")
+			b.ReportMetric(hi, v+"-vs-base-exec-x-p95")
+		}
 	}
 	reportEnrolTimings(b, n.log.String())
 	b.ReportMetric(q("enrolled", 0.5)*1e6, "ns/op")
