@@ -232,19 +232,7 @@ func gone(_ uint16, errno unix.Errno) bool {
 
 // Dial opens one netlink socket per protocol inside the netns behind fd,
 // entering it once for all of them; CloseAll closes them.
-func Dial(fd int, protos ...int) ([]int, error) {
-	var socks []int
-	err := InNetns(fd, func() error {
-		var err error
-		socks, err = openSockets(protos)
-		return err
-	})
-	if err != nil {
-		CloseAll(socks)
-		return nil, err
-	}
-	return socks, nil
-}
+func Dial(fd int, protos ...int) ([]int, error) { return dialVia(InNetns, fd, protos) }
 
 // InNetns runs f on a thread inside the netns behind fd (sockets made
 // there stay there; /proc/thread-self shows that netns), on a goroutine
@@ -263,9 +251,12 @@ func InNetns(fd int, f func() error) error {
 // stays locked to it, in the pod's netns, until it ends: it can still
 // work on descriptors it holds, and the Go runtime makes new threads from
 // a clean one, never from a locked thread.
-func DialHere(fd int, protos ...int) ([]int, error) {
+func DialHere(fd int, protos ...int) ([]int, error) { return dialVia(inNetnsHere, fd, protos) }
+
+// dialVia opens the sockets inside the netns behind fd, entered by enter.
+func dialVia(enter func(fd int, f func() error) error, fd int, protos []int) ([]int, error) {
 	var socks []int
-	err := inNetnsHere(fd, func() error {
+	err := enter(fd, func() error {
 		var err error
 		socks, err = openSockets(protos)
 		return err
