@@ -1,0 +1,185 @@
+package conformance
+
+import (
+	"fmt"
+	"os"
+	"sort"
+	"strings"
+	"sync"
+	"testing"
+)
+
+// Case is one configuration, as Istio and nftcni each express it.
+type Case struct {
+	Name  string
+	Shape Shape
+	// The proxy's UID and GID (sidecar), which the matrix probes as.
+	ProxyUID, ProxyGID uint32
+	// Istio puts Istio's rules into its twin.
+	Istio func(t testing.TB, tw *Twin)
+	// Nftcni puts nftcni's rules into its twin; nil when nftcni cannot
+	// express the configuration (NotExpressible says why).
+	Nftcni         func(t testing.TB, tw *Twin)
+	NotExpressible string
+	// Deliberate names probes whose fates differ on purpose (by probe
+	// name), with why; docs/design.md says the same.
+	Deliberate map[string]string
+	// Extra probes beyond the matrix.
+	Extra []Probe
+}
+
+// Diff is one probe whose fates differ.
+type Diff struct {
+	Probe         string
+	Istio, Nftcni string
+}
+
+// Result is a case's outcome.
+type Result struct {
+	Case   string
+	Probes int
+	Diffs  []Diff
+	// Deliberate differences seen (probe -> why).
+	Deliberate map[string]string
+	// Fates of every probe in Istio's twin, by name (for the caller's own
+	// checks, e.g. that Istio's rules captured anything at all).
+	IstioFates, NftcniFates map[string]string
+}
+
+// Tally counts the suite's whole run; TestMain prints it.
+type Tally struct {
+	mu                                sync.Mutex
+	Configs, Probes, Matched, Differs int
+	NotExpressible                    []string
+	Deliberate                        []string
+}
+
+// Suite is the package's tally.
+var Suite = &Tally{}
+
+func (s *Tally) add(r *Result) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.Configs++
+	s.Probes += r.Probes
+	s.Differs += len(r.Diffs)
+	s.Matched += r.Probes - len(r.Diffs) - len(r.Deliberate)
+	for p, why := range r.Deliberate {
+		s.Deliberate = append(s.Deliberate, fmt.Sprintf("%s: %q (%s)", r.Case, p, why))
+	}
+}
+
+func (s *Tally) notExpressible(name, why string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.NotExpressible = append(s.NotExpressible, fmt.Sprintf("%s (%s)", name, why))
+}
+
+// String is the suite's result line, then the named cases.
+func (s *Tally) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var b strings.Builder
+	fmt.Fprintf(&b, "conformance: %d configurations compared, %d probes: %d matched, %d differed, %d deliberate; %d configurations not expressible\n",
+		s.Configs, s.Probes, s.Matched, s.Differs, len(s.Deliberate), len(s.NotExpressible))
+	sort.Strings(s.NotExpressible)
+	for _, n := range s.NotExpressible {
+		fmt.Fprintf(&b, "  not expressible: %s\n", n)
+	}
+	sort.Strings(s.Deliberate)
+	for _, d := range s.Deliberate {
+		fmt.Fprintf(&b, "  deliberate: %s\n", d)
+	}
+	return b.String()
+}
+
+// Compare builds Istio's and nftcni's twins for c, sends the matrix
+// through both and fails the test on any probe whose fates differ,
+// naming it. A case nftcni cannot express is counted and named, never
+// skipped in silence.
+func Compare(t *testing.T, c Case) *Result {
+	t.Helper()
+	if c.Nftcni == nil {
+		if c.NotExpressible == "" {
+			t.Fatalf("%s: no nftcni form and no reason", c.Name)
+		}
+		Suite.notExpressible(c.Name, c.NotExpressible)
+		t.Logf("%s: not expressible in nftcni: %s", c.Name, c.NotExpressible)
+		return nil
+	}
+	istioTwin := NewTwin(t, "istio", c.Shape)
+	nftTwin := NewTwin(t, "nftcni", c.Shape)
+	c.Istio(t, istioTwin)
+	c.Nftcni(t, nftTwin)
+	r := Differ(t, c, istioTwin, nftTwin)
+	Suite.add(r)
+	for _, d := range r.Diffs {
+		t.Errorf("%s: probe %q: Istio %q, nftcni %q", c.Name, d.Probe, d.Istio, d.Nftcni)
+	}
+	for p, why := range r.Deliberate {
+		t.Logf("%s: probe %q differs on purpose: %s", c.Name, p, why)
+	}
+	return r
+}
+
+// Differ sends c's matrix through two twins already programmed and
+// compares the fates.
+func Differ(t testing.TB, c Case, a, b *Twin) *Result {
+	probes := append(Matrix(c.Shape, c.ProxyUID, c.ProxyGID), c.Extra...)
+	seen := map[string]bool{}
+	for _, p := range probes {
+		if seen[p.Name] {
+			t.Fatalf("%s: two probes named %q", c.Name, p.Name)
+		}
+		seen[p.Name] = true
+	}
+	var fa, fb map[string]string
+	var wg sync.WaitGroup
+	wg.Add(2)
+	go func() { defer wg.Done(); fa = RunAll(a, probes) }()
+	go func() { defer wg.Done(); fb = RunAll(b, probes) }()
+	wg.Wait()
+	r := &Result{Case: c.Name, Probes: len(probes), Deliberate: map[string]string{}, IstioFates: fa, NftcniFates: fb}
+	for _, p := range probes {
+		if fa[p.Name] == fb[p.Name] {
+			continue
+		}
+		if why, ok := c.Deliberate[p.Name]; ok {
+			r.Deliberate[p.Name] = why
+			continue
+		}
+		r.Diffs = append(r.Diffs, Diff{Probe: p.Name, Istio: fa[p.Name], Nftcni: fb[p.Name]})
+	}
+	if os.Getenv("NFTCNI_CONFORMANCE_VERBOSE") != "" {
+		for _, p := range probes {
+			t.Logf("%-60s %-50s %s", p.Name, fa[p.Name], fb[p.Name])
+		}
+	}
+	return r
+}
+
+// RunAll sends every probe through tw, a few at a time.
+func RunAll(tw *Twin, probes []Probe) map[string]string {
+	out := make(map[string]string, len(probes))
+	var mu sync.Mutex
+	work := make(chan int)
+	var wg sync.WaitGroup
+	for range 24 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range work {
+				f := tw.Run(probes[i], fmt.Sprintf("%s-%d", tw.Name, i))
+				mu.Lock()
+				out[probes[i].Name] = f
+				mu.Unlock()
+			}
+		}()
+	}
+	for i := range probes {
+		work <- i
+	}
+	close(work)
+	wg.Wait()
+	return out
+}
