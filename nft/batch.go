@@ -61,7 +61,7 @@ func Encode(rs *Ruleset) (*Batch, error) {
 	if err != nil {
 		return nil, err
 	}
-	b := &Batch{Batch: nlsend.Batch{Tables: frame(tables, 1, true, true), Routes: routeMessages(rs.Routes, true)}, source: rs}
+	b := &Batch{Batch: nlsend.Batch{Tables: frame(tables, 1, true, true), Routes: routeMessages(rs.Routes, rs.LoopbackAddrs, true)}, source: rs}
 	if len(replace) > 2 { // without its own batch begin and end
 		b.Replace = frame(replace[1:len(replace)-1], uint32(len(tables)+1), false, false)
 	}
@@ -72,7 +72,7 @@ func Encode(rs *Ruleset) (*Batch, error) {
 // Each table goes in a transaction of its own, so one already gone
 // (ENOENT, which the sender accepts) cannot stop another's removal.
 func EncodeRemoval(rs *Ruleset) (*nlsend.Removal, error) {
-	r := &nlsend.Removal{Routes: routeMessages(rs.Routes, false)}
+	r := &nlsend.Removal{Routes: routeMessages(rs.Routes, rs.LoopbackAddrs, false)}
 	for _, t := range rs.Tables {
 		msgs, err := capture(func(c *nftables.Conn) error {
 			c.DelTable(&nftables.Table{Name: t.Name, Family: nftables.TableFamilyINet})

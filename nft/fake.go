@@ -217,11 +217,14 @@ func dumpRuleset(rs *Ruleset) string {
 	for _, r := range rs.Routes {
 		fmt.Fprintf(&b, "route %s fwmark %#x/%#x lookup %d pref %d\n", fam(r), r.Mark, r.Mask, r.Table, r.Priority)
 	}
+	for _, a := range rs.LoopbackAddrs {
+		fmt.Fprintf(&b, "address %s dev lo\n", a)
+	}
 	return b.String()
 }
 
 func cloneRuleset(rs *Ruleset) *Ruleset {
-	out := &Ruleset{Routes: slices.Clone(rs.Routes)}
+	out := &Ruleset{Routes: slices.Clone(rs.Routes), LoopbackAddrs: slices.Clone(rs.LoopbackAddrs)}
 	for _, t := range rs.Tables {
 		ct := *t
 		ct.Chains = nil

@@ -58,7 +58,7 @@ func Check(fd int, rs *Ruleset, gen uint32) (uint32, error) {
 	if gen == 0 || now != gen {
 		return now, Verify(fd, rs)
 	}
-	if err := routesPresent(fd, rs.Routes); err != nil {
+	if err := routesPresent(fd, rs.Routes, rs.LoopbackAddrs); err != nil {
 		return now, &DriftError{Problems: []string{err.Error()}}
 	}
 	return now, nil

@@ -84,6 +84,9 @@ type Route struct {
 type Ruleset struct {
 	Tables []*Table
 	Routes []Route
+	// LoopbackAddrs are addresses the scope needs on lo (a sidecar's IPv6
+	// inbound passthrough source, ::6/128).
+	LoopbackAddrs []netip.Prefix
 }
 
 // TagPrefix starts every rule comment we write.

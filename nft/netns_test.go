@@ -86,7 +86,7 @@ func TestApplyMatchesGoldenInNetns(t *testing.T) {
 			if got := nftList(t, n, table); !strings.HasPrefix(got, "error:") {
 				t.Fatalf("table still there after delete:\n%s", got)
 			}
-			if err := routesPresent(n.FD, v.rs.Routes); len(v.rs.Routes) > 0 && err == nil {
+			if err := routesPresent(n.FD, v.rs.Routes, nil); len(v.rs.Routes) > 0 && err == nil {
 				t.Error("policy routes still there after delete")
 			}
 			if err := Delete(n.FD, v.rs); err != nil {

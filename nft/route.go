@@ -3,6 +3,8 @@ package nft
 import (
 	"encoding/binary"
 	"fmt"
+	"net/netip"
+	"slices"
 
 	"github.com/mdlayher/netlink"
 	"golang.org/x/sys/unix"
@@ -67,9 +69,10 @@ func dumpRoutes(conn *netlink.Conn, typ netlink.HeaderType, family int) ([]route
 	return out, nil
 }
 
-// routesPresent reports whether every rule and route of rs exists.
-func routesPresent(fd int, routes []Route) error {
-	if len(routes) == 0 {
+// routesPresent reports whether every rule and route of rs, and every
+// address it needs on lo, exists.
+func routesPresent(fd int, routes []Route, addrs []netip.Prefix) error {
+	if len(routes)+len(addrs) == 0 {
 		return nil
 	}
 	conn, err := netlink.Dial(unix.NETLINK_ROUTE, &netlink.Config{NetNS: fd})
@@ -77,6 +80,17 @@ func routesPresent(fd int, routes []Route) error {
 		return fmt.Errorf("rtnetlink: %w", err)
 	}
 	defer conn.Close()
+	if len(addrs) > 0 {
+		have, err := loopbackAddrs(conn)
+		if err != nil {
+			return fmt.Errorf("listing addresses: %w", err)
+		}
+		for _, a := range addrs {
+			if !slices.Contains(have, a) {
+				return fmt.Errorf("address %s on lo is missing", a)
+			}
+		}
+	}
 	for _, r := range routes {
 		rules, err := dumpRoutes(conn, unix.RTM_GETRULE, r.family())
 		if err != nil {
@@ -109,4 +123,37 @@ func fam(r Route) string {
 		return "ipv6"
 	}
 	return "ipv4"
+}
+
+// loopbackAddrs lists lo's addresses (RTM_GETADDR, both families).
+func loopbackAddrs(conn *netlink.Conn) ([]netip.Prefix, error) {
+	msgs, err := conn.Execute(netlink.Message{
+		Header: netlink.Header{Type: unix.RTM_GETADDR, Flags: netlink.Request | netlink.Dump},
+		Data:   make([]byte, unix.SizeofIfAddrmsg),
+	})
+	if err != nil {
+		return nil, err
+	}
+	var out []netip.Prefix
+	for _, m := range msgs {
+		if len(m.Data) < unix.SizeofIfAddrmsg || binary.NativeEndian.Uint32(m.Data[4:]) != loopbackIndex {
+			continue
+		}
+		bits := int(m.Data[1])
+		ad, err := netlink.NewAttributeDecoder(m.Data[unix.SizeofIfAddrmsg:])
+		if err != nil {
+			return nil, err
+		}
+		for ad.Next() {
+			if ad.Type() == unix.IFA_ADDRESS {
+				if a, ok := netip.AddrFromSlice(ad.Bytes()); ok {
+					out = append(out, netip.PrefixFrom(a, bits))
+				}
+			}
+		}
+		if err := ad.Err(); err != nil {
+			return nil, err
+		}
+	}
+	return out, nil
 }

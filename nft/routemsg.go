@@ -2,6 +2,7 @@ package nft
 
 import (
 	"encoding/binary"
+	"net/netip"
 
 	"github.com/vishvananda/netlink/nl"
 	"golang.org/x/sys/unix"
@@ -16,10 +17,27 @@ import (
 // plain add would duplicate); otherwise the matching deletions (the sender
 // accepts ENOENT and ESRCH: already gone). Only the last message asks for
 // an ack; errors come back for every message anyway.
-func routeMessages(routes []Route, add bool) []byte {
+//
+// Addresses the ruleset needs on lo come first: `ip addr replace A dev lo`
+// (or its deletion, which accepts EADDRNOTAVAIL: already gone).
+func routeMessages(routes []Route, addrs []netip.Prefix, add bool) []byte {
 	var out []byte
 	seq := uint32(1)
-	n := 2 * len(routes)
+	n := 2*len(routes) + len(addrs)
+	for _, a := range addrs {
+		flags := 0
+		if seq == uint32(n) {
+			flags = unix.NLM_F_ACK
+		}
+		req := nl.NewNetlinkRequest(unix.RTM_DELADDR, flags)
+		if add {
+			req = nl.NewNetlinkRequest(unix.RTM_NEWADDR, flags|unix.NLM_F_CREATE|unix.NLM_F_REPLACE)
+		}
+		req.Seq = seq
+		addrBody(req, a)
+		out = append(out, req.Serialize()...)
+		seq++
+	}
 	for _, r := range routes {
 		for _, rule := range []bool{false, true} {
 			flags := 0
@@ -48,6 +66,22 @@ func routeMessages(routes []Route, add bool) []byte {
 		}
 	}
 	return out
+}
+
+// addrBody is `A dev lo` as vishvananda/netlink's AddrReplace lays it out.
+func addrBody(req *nl.NetlinkRequest, a netip.Prefix) {
+	fam := unix.AF_INET
+	if a.Addr().Is6() {
+		fam = unix.AF_INET6
+	}
+	msg := nl.NewIfAddrmsg(fam)
+	msg.Index = loopbackIndex
+	msg.Prefixlen = uint8(a.Bits())
+	msg.Scope = unix.RT_SCOPE_HOST
+	req.AddData(msg)
+	b := a.Addr().AsSlice()
+	req.AddData(nl.NewRtAttr(unix.IFA_LOCAL, b))
+	req.AddData(nl.NewRtAttr(unix.IFA_ADDRESS, b))
 }
 
 func (r Route) routeBody(req *nl.NetlinkRequest, add bool) {

@@ -2,6 +2,7 @@ package nft
 
 import (
 	"net/netip"
+	"slices"
 
 	"github.com/google/nftables"
 
@@ -137,7 +138,9 @@ func Sidecar(s SidecarSpec) *Ruleset {
 			t.add(scMangleIn, IfName(true, Eq, "lo"), L4(TCP), Addr(true, Eq, passthrough(v4)), Counter(), Return())
 		}
 		t.add(scMangleIn, IfName(true, Eq, "lo"), L4(TCP), Mark(Neq, 0, istio.TProxyLocalMark), Counter(), Return())
-		t.add(scMangleIn, DPort(TCP, Eq, istio.HBONEPort), Counter(), Return())
+		// No return for HBONE's 15008 here: both of Istio's backends keep
+		// it in the nat inbound chain only, which TPROXY mode never jumps
+		// to, so TPROXY captures 15008 like any other port.
 		if s.InboundAll {
 			for _, p := range s.ExcludeInboundPorts {
 				t.add(scMangleIn, DPort(TCP, Eq, p), Counter(), Return())
@@ -173,6 +176,9 @@ func Sidecar(s SidecarSpec) *Ruleset {
 	for _, v4 := range fams { // the proxy's inbound passthrough source
 		t.add(scOutput, IfName(false, Eq, "lo"), Addr(true, Eq, passthrough(v4)), Counter(), Return())
 	}
+	// A loopback range the user includes is captured: the proxy's owners'
+	// "leave lo alone" returns go (Istio's HasLoopBackIP).
+	includesLoopback := slices.ContainsFunc(s.IncludeOutboundCIDRs, func(p netip.Prefix) bool { return p.Addr().IsLoopback() })
 	owners := []struct {
 		eq, neq Term
 	}{{SkUID(Eq, s.ProxyUID), SkUID(Neq, s.ProxyUID)}, {SkGID(Eq, s.ProxyGID), SkGID(Neq, s.ProxyGID)}}
@@ -186,16 +192,17 @@ func Sidecar(s SidecarSpec) *Ruleset {
 			}
 			t.add(scOutput, append(r, o.eq, Counter(), Jump(scInRedirect))...)
 		}
-		if s.DNSCapture {
+		switch {
+		case includesLoopback:
+		case s.DNSCapture:
 			t.add(scOutput, IfName(false, Eq, "lo"), DPort(TCP, Neq, 53), o.neq, Counter(), Return())
-		} else {
+		default:
 			t.add(scOutput, IfName(false, Eq, "lo"), o.neq, Counter(), Return())
 		}
 		t.add(scOutput, o.eq, Counter(), Return())
 	}
-	for _, v4 := range fams {
-		t.add(scOutput, Addr(false, Eq, loopback(v4)), Counter(), Return())
-	}
+	// DNS before the loopback return, so that a resolver on 127.0.0.1 is
+	// captured too.
 	if s.DNSCapture {
 		t.add(scOutput, Counter(), Jump(scOutputDNS))
 		t.add(scOutputDNS, DPort(TCP, Eq, 53), Counter(), Redirect(istio.DNSCapturePort))
@@ -208,6 +215,9 @@ func Sidecar(s SidecarSpec) *Ruleset {
 		t.add(scRawDNS, DPort(UDP, Eq, 53), Counter(), SetCtZone(2))
 		t.add(rawPre, Counter(), Jump(scRawIn))
 		t.add(scRawIn, SPort(UDP, Eq, 53), Counter(), SetCtZone(1))
+	}
+	for _, v4 := range fams {
+		t.add(scOutput, Addr(false, Eq, loopback(v4)), Counter(), Return())
 	}
 	for _, c := range s.ExcludeOutboundCIDRs {
 		if wanted(c) {
@@ -228,7 +238,13 @@ func Sidecar(s SidecarSpec) *Ruleset {
 	}
 
 	rs := &Ruleset{Tables: []*Table{t}}
-	if tproxy {
+	if s.IPv6 {
+		// The proxy's IPv6 inbound passthrough source: IPv6 gives lo only
+		// ::1/128, so ::6 must be added for the proxy to bind it (as
+		// Istio's capture does).
+		rs.LoopbackAddrs = []netip.Prefix{inboundPassthrough6}
+	}
+	if tproxy && captureIn { // Istio routes marked packets only when it captures inbound
 		for _, v4 := range fams {
 			rs.Routes = append(rs.Routes, Route{Mark: istio.TProxyMark, Mask: 0xffffffff, Table: istio.TProxyRouteTable, Priority: istio.RulePriority, V6: !v4})
 		}

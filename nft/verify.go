@@ -52,7 +52,7 @@ func Verify(fd int, rs *Ruleset) error {
 		}
 		drift = append(drift, p...)
 	}
-	if err := routesPresent(fd, rs.Routes); err != nil {
+	if err := routesPresent(fd, rs.Routes, rs.LoopbackAddrs); err != nil {
 		drift = append(drift, err.Error())
 	}
 	if len(drift) > 0 {

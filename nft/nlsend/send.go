@@ -226,8 +226,8 @@ func ruleExists(typ uint16, errno unix.Errno) bool {
 }
 
 // gone accepts deleting what is not there.
-func gone(_ uint16, errno unix.Errno) bool {
-	return errno == unix.ENOENT || errno == unix.ESRCH
+func gone(typ uint16, errno unix.Errno) bool {
+	return errno == unix.ENOENT || errno == unix.ESRCH || typ == unix.RTM_DELADDR && errno == unix.EADDRNOTAVAIL
 }
 
 // Dial opens one netlink socket per protocol inside the netns behind fd,
