@@ -244,7 +244,7 @@ func testHandover(t *testing.T, kube *kubetest.Server, subnet, count int, nftabl
 		t.Errorf("the refused pod's rules changed:\n%s\nwas:\n%s", got, refusedBefore)
 	}
 	// inspect reports it by name too (no record: the agent answers).
-	in := &inspect.Inspector{RunDir: run, HostNetns: h.n.node.Path, IPv6: true}
+	in := &inspect.Inspector{RunDir: run, HostNetns: h.n.node.Path, Host: nft.HostSpec{IPv6: true}}
 	var refused strings.Builder
 	if err := in.Target(&refused, meshNS+"/"+h.names[0]); err != nil || !strings.Contains(refused.String(), "istio-cni's rules left in place") {
 		t.Errorf("inspect of the refused pod %s: %v\n%s", h.names[0], err, refused.String())

@@ -47,6 +47,8 @@ type AmbientSpec struct {
 	// VirtualInterfaces (istio.io/reroute-virtual-interfaces): TCP arriving
 	// on them is treated as outbound and sent to 15001.
 	VirtualInterfaces []string
+	// ProbeSNAT is the source of kubelet's probes, let past ztunnel.
+	ProbeSNAT ProbeSNAT `json:",omitzero"`
 }
 
 // chain names in the pod table; one inet table holds nat, mangle and raw
@@ -77,10 +79,8 @@ func Ambient(s AmbientSpec) *Ruleset {
 	}
 	fams := families(s.IPv6)
 	snat := func(v4 bool) netip.Prefix {
-		if v4 {
-			return netip.PrefixFrom(ProbeSNATv4, 32)
-		}
-		return netip.PrefixFrom(ProbeSNATv6, 128)
+		a := s.ProbeSNAT.Addr(v4)
+		return netip.PrefixFrom(a, a.BitLen())
 	}
 	notZtunnel := Mark(Neq, istio.MarkMask, istio.ZtunnelMark)
 

@@ -49,7 +49,7 @@ func variants(t testing.TB) []variant {
 			istio.AnnRerouteInterfaces:    "tap0",
 		}, SidecarProxy{IPv6: true}))},
 		{"sidecar-tproxy-ports", Sidecar(sidecarDefaults(t, map[string]string{istio.AnnInterceptionMode: "TPROXY", istio.AnnIncludeInboundPorts: "8080"}, SidecarProxy{}))},
-		{"host-probe", HostProbe(true, []Member{{UID: uid, IPs: []netip.Addr{netip.MustParseAddr("10.244.1.7"), netip.MustParseAddr("fd00:244::7")}}})},
+		{"host-probe", HostProbe(HostSpec{IPv6: true}, []Member{{UID: uid, IPs: []netip.Addr{netip.MustParseAddr("10.244.1.7"), netip.MustParseAddr("fd00:244::7")}}})},
 	}
 }
 

@@ -22,12 +22,38 @@ const (
 	prioSrcNAT = 100
 )
 
-// The probe SNAT addresses (istio.ProbeSNATv4, istio.ProbeSNATv6) as the
-// rulesets use them.
+// Istio's default probe SNAT addresses (istio.ProbeSNATv4, istio.ProbeSNATv6).
 var (
 	ProbeSNATv4 = netip.MustParseAddr(istio.ProbeSNATv4)
 	ProbeSNATv6 = netip.MustParseAddr(istio.ProbeSNATv6)
 )
+
+// ProbeSNAT is where kubelet's probes to enrolled pods come from after the
+// host's SNAT: istio-cni's HOST_PROBE_SNAT_IP and HOST_PROBE_SNAT_IPV6.
+// A zero address is Istio's default.
+type ProbeSNAT struct {
+	V4 netip.Addr `json:"v4,omitzero"`
+	V6 netip.Addr `json:"v6,omitzero"`
+}
+
+// Addr is the address for one family, the default filled in.
+func (p ProbeSNAT) Addr(v4 bool) netip.Addr {
+	switch {
+	case v4 && p.V4.IsValid():
+		return p.V4
+	case v4:
+		return ProbeSNATv4
+	case p.V6.IsValid():
+		return p.V6
+	}
+	return ProbeSNATv6
+}
+
+// HostSpec is what decides the host probe table.
+type HostSpec struct {
+	IPv6 bool // a set and a rule for IPv6 pods
+	SNAT ProbeSNAT
+}
 
 // Member is one enrolled pod in the host probe set.
 type Member struct {
@@ -36,8 +62,9 @@ type Member struct {
 }
 
 // HostProbe builds the host-netns table that SNATs kubelet's probes to
-// enrolled pods to 169.254.7.127 (IPv6: fd16:9254:7127:1337:ffff:ffff:ffff:ffff),
-// so the pod's ruleset can let them bypass ztunnel. Each set element carries
+// enrolled pods to the probe SNAT address (by default 169.254.7.127; IPv6:
+// fd16:9254:7127:1337:ffff:ffff:ffff:ffff), so the pod's ruleset can let
+// them bypass ztunnel. Each set element carries
 // the pod UID as its comment.
 //
 // Kubelet's packets are told apart by having a local socket (LocalSocket,
@@ -47,7 +74,8 @@ type Member struct {
 // needs re-resolving on every kubelet restart. Forwarded traffic (other
 // pods, other nodes) has no local socket and is never SNATed; any local
 // process reaching an enrolled pod is, exactly like Istio's iptables backend.
-func HostProbe(ipv6 bool, members []Member) *Ruleset {
+func HostProbe(spec HostSpec, members []Member) *Ruleset {
+	ipv6 := spec.IPv6
 	t := &Table{Name: HostTable}
 	v4 := &Set{Name: probeSetV4, Comment: "enrolled pod IPs; element comment = pod UID"}
 	t.Sets = append(t.Sets, v4)
@@ -66,9 +94,9 @@ func HostProbe(ipv6 bool, members []Member) *Ruleset {
 		}
 	}
 	t.base(hostPost, nftables.ChainTypeNAT, nftables.ChainHookPostrouting, prioSrcNAT)
-	t.add(hostPost, L4(TCP), AddrInSet(false, true, probeSetV4), LocalSocket(), Counter(), SNAT(ProbeSNATv4))
+	t.add(hostPost, L4(TCP), AddrInSet(false, true, probeSetV4), LocalSocket(), Counter(), SNAT(spec.SNAT.Addr(true)))
 	if ipv6 {
-		t.add(hostPost, L4(TCP), AddrInSet(false, false, probeSetV6), LocalSocket(), Counter(), SNAT(ProbeSNATv6))
+		t.add(hostPost, L4(TCP), AddrInSet(false, false, probeSetV6), LocalSocket(), Counter(), SNAT(spec.SNAT.Addr(false)))
 	}
 	return &Ruleset{Tables: []*Table{t}}
 }

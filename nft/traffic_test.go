@@ -190,7 +190,7 @@ func TestHostProbeSNAT(t *testing.T) {
 	testnet.RequireRoot(t)
 	p := testnet.NewPair(t, 15)
 	uid := "uid-enrolled"
-	if err := Apply(p.Node.FD, HostProbe(true, nil)); err != nil {
+	if err := Apply(p.Node.FD, HostProbe(HostSpec{IPv6: true}, nil)); err != nil {
 		t.Fatal(err)
 	}
 	app := p.Pod.Listen(t, ":8080", false)
@@ -212,7 +212,7 @@ func TestHostProbeSNAT(t *testing.T) {
 	}
 	check(p.PodIP4, ProbeSNATv4, "enrolled v4")
 	check(p.PodIP6, ProbeSNATv6, "enrolled v6")
-	want := HostProbe(true, []Member{{UID: uid, IPs: []netip.Addr{p.PodIP4, p.PodIP6}}})
+	want := HostProbe(HostSpec{IPv6: true}, []Member{{UID: uid, IPs: []netip.Addr{p.PodIP4, p.PodIP6}}})
 	if err := Verify(p.Node.FD, want); err != nil {
 		t.Fatalf("host table after add: %v", err)
 	}
@@ -224,7 +224,7 @@ func TestHostProbeSNAT(t *testing.T) {
 		t.Fatal(err)
 	}
 	check(p.PodIP4, p.NodeIP4, "removed v4")
-	if err := Verify(p.Node.FD, HostProbe(true, nil)); err != nil {
+	if err := Verify(p.Node.FD, HostProbe(HostSpec{IPv6: true}, nil)); err != nil {
 		t.Fatalf("host table after remove: %v", err)
 	}
 }

@@ -59,6 +59,8 @@ type Config struct {
 	SystemNamespace string
 	DNSCapture      bool // AMBIENT_DNS_CAPTURE
 	IPv6            bool // AMBIENT_IPV6
+	// ProbeSNAT is HOST_PROBE_SNAT_IP and _IPV6 (zero: Istio's defaults).
+	ProbeSNAT nft.ProbeSNAT
 }
 
 // DefaultConfig is istio-cni's default.
@@ -216,7 +218,7 @@ func (p *Policy) Decide(pod *corev1.Pod, ns *corev1.Namespace, ips []string) *De
 	if !p.SelectorsMatch(pod, ns) {
 		return none("no enablement selector matches")
 	}
-	spec := nft.AmbientSpec{DNSCapture: p.cfg.DNSCapture, IPv6: p.cfg.IPv6 && hasIPv6(ips)}
+	spec := nft.AmbientSpec{DNSCapture: p.cfg.DNSCapture, IPv6: p.cfg.IPv6 && hasIPv6(ips), ProbeSNAT: p.cfg.ProbeSNAT}
 	if v, ok := pod.Annotations[istio.AnnDNSCapture]; ok {
 		if b, err := strconv.ParseBool(v); err == nil {
 			spec.DNSCapture = b

@@ -95,7 +95,7 @@ func (k *fakeKernel) Close() error              { return nil }
 // not there fails, which is why the agent asserts it first).
 func TestTableLogic(t *testing.T) {
 	k := &fakeKernel{}
-	tb, err := New(k, true, slog.New(slog.DiscardHandler))
+	tb, err := New(k, nft.HostSpec{IPv6: true}, slog.New(slog.DiscardHandler))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -140,7 +140,7 @@ func TestTableLogic(t *testing.T) {
 
 	// A restarted agent keeps what it cannot account for yet, then makes
 	// the table exactly its members.
-	tb2, err := New(k, true, slog.New(slog.DiscardHandler))
+	tb2, err := New(k, nft.HostSpec{IPv6: true}, slog.New(slog.DiscardHandler))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -156,7 +156,7 @@ func TestTableLogic(t *testing.T) {
 	if got, _, _ := k.Elements(); !maps.Equal(got, map[netip.Addr]string{ip3: "uid-b"}) {
 		t.Errorf("exact Assert: %v", got)
 	}
-	if err := tb2.Delete(); err != nil || k.rs != nil || !strings.Contains(render(nft.HostProbe(true, nil)), nft.HostTable) {
+	if err := tb2.Delete(); err != nil || k.rs != nil || !strings.Contains(render(nft.HostProbe(nft.HostSpec{IPv6: true}, nil)), nft.HostTable) {
 		t.Errorf("Delete: %v, table %v", err, k.rs)
 	}
 }

@@ -25,7 +25,7 @@ import (
 // Table is the host probe table of one node.
 type Table struct {
 	k    Kernel
-	ipv6 bool
+	spec nft.HostSpec
 	log  *slog.Logger
 
 	mu     sync.Mutex
@@ -59,13 +59,13 @@ func (k netlinkKernel) Delete(rs *nft.Ruleset) error { return nft.Delete(k.fd, r
 
 // Open connects to the host netns behind host and reads what the table
 // holds now (nothing if it is not there yet).
-func Open(host *os.File, ipv6 bool, log *slog.Logger) (*Table, error) {
+func Open(host *os.File, spec nft.HostSpec, log *slog.Logger) (*Table, error) {
 	fd := int(host.Fd())
 	set, err := nft.OpenProbeSet(fd)
 	if err != nil {
 		return nil, err
 	}
-	t, err := New(netlinkKernel{fd: fd, ProbeSet: set}, ipv6, log)
+	t, err := New(netlinkKernel{fd: fd, ProbeSet: set}, spec, log)
 	if err != nil {
 		set.Close()
 	}
@@ -73,8 +73,8 @@ func Open(host *os.File, ipv6 bool, log *slog.Logger) (*Table, error) {
 }
 
 // New is a Table on k, holding what k holds now.
-func New(k Kernel, ipv6 bool, log *slog.Logger) (*Table, error) {
-	t := &Table{k: k, ipv6: ipv6, log: log}
+func New(k Kernel, spec nft.HostSpec, log *slog.Logger) (*Table, error) {
+	t := &Table{k: k, spec: spec, log: log}
 	var err error
 	if t.owners, _, err = k.Elements(); err != nil {
 		return nil, err
@@ -89,7 +89,7 @@ func New(k Kernel, ipv6 bool, log *slog.Logger) (*Table, error) {
 func (t *Table) Close() error { return t.k.Close() }
 
 // keep says whether the table holds ip at all (IPv6 off: no v6 set).
-func (t *Table) keep(ip netip.Addr) bool { return ip.Is4() || t.ipv6 }
+func (t *Table) keep(ip netip.Addr) bool { return ip.Is4() || t.spec.IPv6 }
 
 // Add gives a pod's IPs to uid. An IP still held by another UID (reused
 // after a pod died without cleanup) is taken over by this pod.
@@ -173,7 +173,7 @@ func (t *Table) Assert(members []nft.Member, keepPresent bool) (bool, error) {
 			}
 		}
 	}
-	want := nft.HostProbe(t.ipv6, nft.Members(owners))
+	want := nft.HostProbe(t.spec, nft.Members(owners))
 	err := t.k.Verify(want)
 	var drift *nft.DriftError
 	switch {
@@ -196,7 +196,7 @@ func (t *Table) Assert(members []nft.Member, keepPresent bool) (bool, error) {
 func (t *Table) Repair() (bool, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	want := nft.HostProbe(t.ipv6, nft.Members(t.owners))
+	want := nft.HostProbe(t.spec, nft.Members(t.owners))
 	err := t.k.Verify(want)
 	var drift *nft.DriftError
 	switch {
@@ -244,5 +244,5 @@ func (t *Table) Delete() error {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.owners = map[netip.Addr]string{}
-	return t.k.Delete(nft.HostProbe(t.ipv6, nil))
+	return t.k.Delete(nft.HostProbe(t.spec, nil))
 }

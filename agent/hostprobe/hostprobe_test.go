@@ -24,7 +24,7 @@ func open(t *testing.T) (*Table, *testnet.NS) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { f.Close() })
-	tb, err := Open(f, true, slog.New(slog.DiscardHandler))
+	tb, err := Open(f, nft.HostSpec{IPv6: true}, slog.New(slog.DiscardHandler))
 	if err != nil {
 		t.Fatal(err)
 	}

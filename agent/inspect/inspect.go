@@ -29,7 +29,7 @@ var ErrDrift = errors.New("drift found")
 // without changing anything, and asks the running agent for the rest.
 type Inspector struct {
 	RunDir, HostNetns string
-	IPv6              bool
+	Host              nft.HostSpec
 }
 
 // Target prints one pod (namespace/name or its netns path) or "host".
@@ -164,7 +164,7 @@ func (i *Inspector) host(out io.Writer, recs []records.Record) error {
 	}
 	defer unix.Close(fd)
 	fmt.Fprintf(out, "host (netns %s)\n  enrolled ambient pods recorded: %d\n", i.HostNetns, len(members))
-	return check(out, fd, nft.HostTable, nft.HostProbe(i.IPv6, members))
+	return check(out, fd, nft.HostTable, nft.HostProbe(i.Host, members))
 }
 
 // check prints the verdict and the live table; drift is errDrift.

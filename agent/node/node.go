@@ -41,6 +41,7 @@ type Config struct {
 	// ZtunnelSocket is the ZDS socket; "" runs without ztunnel.
 	ZtunnelSocket string
 	IPv6          bool
+	ProbeSNAT     nft.ProbeSNAT
 	Policy        *enablement.Policy
 
 	// Where pods come from: Kubernetes (Kube set), a static directory
@@ -136,7 +137,7 @@ func Start(ctx context.Context, cfg Config) (_ *Node, err error) {
 	}
 	n.closers = append(n.closers, func() { hostNetns.Close() })
 	capsHint := " (the agent needs CAP_NET_ADMIN, and CAP_SYS_ADMIN to enter that netns)"
-	if n.Host, err = hostprobe.Open(hostNetns, cfg.IPv6, log); err != nil {
+	if n.Host, err = hostprobe.Open(hostNetns, nft.HostSpec{IPv6: cfg.IPv6, SNAT: cfg.ProbeSNAT}, log); err != nil {
 		return nil, fmt.Errorf("host probe table in %s: %w%s", cfg.HostNetns, err, capsHint)
 	}
 	n.closers = append(n.closers, func() { n.Host.Close() })

@@ -26,6 +26,7 @@ type ambientFlags struct {
 	podSource, nodeName, systemNamespace, selectors string
 	ztunnelSocket, hostNetns, procDir               string
 	dnsCapture, ipv6                                bool
+	probeSNAT                                       probeSNATFlags
 	verifyEvery                                     time.Duration
 	verifyConcurrency                               int
 	repair                                          repair.Config
@@ -39,6 +40,7 @@ func (a *ambientFlags) register(f *flagSet) {
 	f.str(&a.selectors, "ambient-enablement-selector", "AMBIENT_ENABLEMENT_SELECTOR", "", "JSON list of {podSelector, namespaceSelector}; empty: Istio's defaults on istio.io/dataplane-mode")
 	f.boolean(&a.dnsCapture, "ambient-dns-capture", "AMBIENT_DNS_CAPTURE", true, "capture DNS to ztunnel's 15053 unless a pod says otherwise")
 	ipv6Flag(f, &a.ipv6)
+	a.probeSNAT.register(f)
 	f.str(&a.ztunnelSocket, "ztunnel-socket", "ZTUNNEL_UDS_ADDRESS", zds.DefaultSocket, "ZDS socket ztunnel connects to; \"none\": no ztunnel (rules only, for tests and demos)")
 	hostNetnsFlag(f, &a.hostNetns)
 	f.str(&a.procDir, "proc-dir", "PROC_DIR", "/proc", "the host's /proc (the agent's pod mounts it at /host/proc): where the netns of pods that predate the agent is found")
@@ -62,6 +64,10 @@ func (a *ambientFlags) policy(exclude []string) (*enablement.Policy, error) {
 	cfg := enablement.DefaultConfig()
 	cfg.ExcludeNamespaces, cfg.SystemNamespace = exclude, a.systemNamespace
 	cfg.DNSCapture, cfg.IPv6 = a.dnsCapture, a.ipv6
+	var err error
+	if cfg.ProbeSNAT, err = a.probeSNAT.parse(); err != nil {
+		return nil, err
+	}
 	if strings.TrimSpace(a.selectors) != "" {
 		sel, err := enablement.ParseSelectors([]byte(a.selectors))
 		if err != nil {
@@ -105,7 +111,7 @@ func (a *ambientFlags) restConfig() (*rest.Config, error) {
 // nodeConfig is the enrolment side's Config (package node) from the
 // flags, with the Kubernetes client when pods come from Kubernetes.
 func nodeConfig(c *common, a *ambientFlags, policy *enablement.Policy, lock *runlock.Lock, reg prometheus.Registerer, log *slog.Logger) (node.Config, error) {
-	cfg := node.Config{RunDir: c.runDir, HostNetns: a.hostNetns, ProcDir: a.procDir, IPv6: a.ipv6, Policy: policy,
+	cfg := node.Config{RunDir: c.runDir, HostNetns: a.hostNetns, ProcDir: a.procDir, IPv6: a.ipv6, ProbeSNAT: policy.Config().ProbeSNAT, Policy: policy,
 		NodeName: a.nodeName, Repair: a.repair, VerifyEvery: a.verifyEvery, VerifyConcurrency: a.verifyConcurrency, Registry: reg, Log: log, Lock: lock}
 	src, err := a.source()
 	if err != nil {

@@ -5,10 +5,14 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
 	"time"
+
+	"github.com/nftcni/nftcni/istio"
+	"github.com/nftcni/nftcni/nft"
 )
 
 // flagSet is a flag.FlagSet whose flags each have an environment twin in
@@ -92,6 +96,34 @@ func hostNetnsFlag(f *flagSet, p *string) {
 
 func ipv6Flag(f *flagSet, p *bool) {
 	f.boolean(p, "ambient-ipv6", "AMBIENT_IPV6", true, "add IPv6 rules for pods that have an IPv6 address")
+}
+
+// probeSNATFlags are istio-cni's HOST_PROBE_SNAT_IP and _IPV6.
+type probeSNATFlags struct{ v4, v6 string }
+
+func (p *probeSNATFlags) register(f *flagSet) {
+	f.str(&p.v4, "host-probe-snat-ip", "HOST_PROBE_SNAT_IP", istio.ProbeSNATv4, "the IPv4 address kubelet's probes to enrolled pods are SNATed to, which pods let past ztunnel")
+	f.str(&p.v6, "host-probe-snat-ipv6", "HOST_PROBE_SNAT_IPV6", istio.ProbeSNATv6, "the IPv6 address kubelet's probes to enrolled pods are SNATed to")
+}
+
+// parse checks the addresses; Istio's defaults stay the zero value, so
+// the pods' recorded decisions do not change with them.
+func (p *probeSNATFlags) parse() (nft.ProbeSNAT, error) {
+	var out nft.ProbeSNAT
+	for _, a := range []struct {
+		name, v string
+		v4      bool
+		to      *netip.Addr
+	}{{"--host-probe-snat-ip", p.v4, true, &out.V4}, {"--host-probe-snat-ipv6", p.v6, false, &out.V6}} {
+		ip, err := netip.ParseAddr(strings.TrimSpace(a.v))
+		if err != nil || ip.Is4() != a.v4 || ip.Zone() != "" {
+			return out, fmt.Errorf("%s %q: want an IPv%s address", a.name, a.v, map[bool]string{true: "4", false: "6"}[a.v4])
+		}
+		if ip != out.Addr(a.v4) {
+			*a.to = ip
+		}
+	}
+	return out, nil
 }
 
 func (c *common) bins() []string {

@@ -6,6 +6,7 @@ import (
 	"io"
 
 	"github.com/nftcni/nftcni/agent/inspect"
+	"github.com/nftcni/nftcni/nft"
 )
 
 const inspectUsage = `usage: nftcni-agent inspect [flags] <namespace/name | /path/to/netns | host>
@@ -20,12 +21,14 @@ Exit status: 0 all as expected, 1 drift, 2 usage or lookup error.
 type inspectFlags struct {
 	runDir, hostNetns string
 	ipv6              bool
+	probeSNAT         probeSNATFlags
 }
 
 func (i *inspectFlags) register(f *flagSet) {
 	runDirFlag(f, &i.runDir)
 	hostNetnsFlag(f, &i.hostNetns)
 	ipv6Flag(f, &i.ipv6)
+	i.probeSNAT.register(f)
 }
 
 func inspectCmd(args []string, out io.Writer) error {
@@ -40,5 +43,9 @@ func inspectCmd(args []string, out io.Writer) error {
 		f.Usage()
 		return errors.New("inspect takes one pod (namespace/name or a netns path) or \"host\"")
 	}
-	return (&inspect.Inspector{RunDir: i.runDir, HostNetns: i.hostNetns, IPv6: i.ipv6}).Target(out, f.Arg(0))
+	snat, err := i.probeSNAT.parse()
+	if err != nil {
+		return err
+	}
+	return (&inspect.Inspector{RunDir: i.runDir, HostNetns: i.hostNetns, Host: nft.HostSpec{IPv6: i.ipv6, SNAT: snat}}).Target(out, f.Arg(0))
 }

@@ -1,0 +1,35 @@
+package main
+
+import (
+	"net/netip"
+	"strings"
+	"testing"
+
+	"github.com/nftcni/nftcni/istio"
+	"github.com/nftcni/nftcni/nft"
+)
+
+// TestProbeSNATFlags: Istio's defaults stay the zero value (so recorded
+// decisions do not change), another address is kept, and an address of the
+// wrong family is refused naming the flag.
+func TestProbeSNATFlags(t *testing.T) {
+	for _, c := range []struct {
+		v4, v6 string
+		want   nft.ProbeSNAT
+		err    string
+	}{
+		{v4: istio.ProbeSNATv4, v6: istio.ProbeSNATv6},
+		{v4: "169.254.7.128", v6: "e9ac::1", want: nft.ProbeSNAT{V4: netip.MustParseAddr("169.254.7.128"), V6: netip.MustParseAddr("e9ac::1")}},
+		{v4: "fd00::1", v6: istio.ProbeSNATv6, err: "--host-probe-snat-ip"},
+		{v4: istio.ProbeSNATv4, v6: "169.254.7.127", err: "--host-probe-snat-ipv6"},
+		{v4: "not an address", v6: istio.ProbeSNATv6, err: "want an IPv4 address"},
+	} {
+		got, err := (&probeSNATFlags{v4: c.v4, v6: c.v6}).parse()
+		switch {
+		case c.err != "" && (err == nil || !strings.Contains(err.Error(), c.err)):
+			t.Errorf("%s %s: error %v, want one naming %q", c.v4, c.v6, err, c.err)
+		case c.err == "" && (err != nil || got != c.want):
+			t.Errorf("%s %s: %+v %v, want %+v", c.v4, c.v6, got, err, c.want)
+		}
+	}
+}
