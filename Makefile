@@ -60,8 +60,12 @@ image: build
 # All tests, including the ones that need root and network namespaces (they
 # skip with a message when not root). Fuzz seed corpora run as plain tests.
 # The live handover from istio-cni runs Istio's own agent and plugin.
+# The conformance suite's result line (Istio's rules against nftcni's) is
+# printed last.
 test: deps build cni-plugins k8s-bins containerd-bins helm istio-bins
-	NFTCNI_REQUIRE_CRI=1 NFTCNI_REQUIRE_ISTIO=1 $(GO) test -count=1 -timeout 45m ./...
+	@rm -f $(BIN)/conformance.txt
+	NFTCNI_REQUIRE_CRI=1 NFTCNI_REQUIRE_ISTIO=1 NFTCNI_CONFORMANCE_REPORT=$(CURDIR)/$(BIN)/conformance.txt \
+	  $(GO) test -count=1 -timeout 45m ./...; status=$$?; cat $(BIN)/conformance.txt 2>/dev/null; exit $$status
 
 # Debian packages the tests use, installed when missing (root only).
 deps:

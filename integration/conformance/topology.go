@@ -219,9 +219,14 @@ func macOf(t testing.TB, n *testnet.NS, ifc string) string {
 // Exec runs a command inside the twin's pod netns (loading Istio's rules).
 func (tw *Twin) Exec(t testing.TB, stdin string, name string, args ...string) {
 	t.Helper()
-	c := exec.Command("ip", append([]string{"netns", "exec", tw.Pod.Name, name}, args...)...)
+	execIn(t, tw.Pod, stdin, name, args...)
+}
+
+func execIn(t testing.TB, n *testnet.NS, stdin string, name string, args ...string) {
+	t.Helper()
+	c := exec.Command("ip", append([]string{"netns", "exec", n.Name, name}, args...)...)
 	c.Stdin = strings.NewReader(stdin)
 	if out, err := c.CombinedOutput(); err != nil {
-		t.Fatalf("%s %s in %s: %v\n%s", name, strings.Join(args, " "), tw.Name, err, out)
+		t.Fatalf("%s %s in %s: %v\n%s", name, strings.Join(args, " "), n.Name, err, out)
 	}
 }
