@@ -26,6 +26,7 @@ package zds
 import (
 	"errors"
 	"fmt"
+	"unicode/utf8"
 
 	"google.golang.org/protobuf/encoding/protowire"
 )
@@ -135,6 +136,7 @@ func DecodeRequest(b []byte) (*Request, error) {
 			case typ != protowire.BytesType:
 			case n == uidField && k != KindSnapshotSent:
 				r.UID = string(v)
+				return validUTF8(v)
 			case n == 2 && k == KindAdd:
 				r.Info = &WorkloadInfo{}
 				return fields(v, func(n protowire.Number, typ protowire.Type, v []byte) error {
@@ -146,7 +148,10 @@ func DecodeRequest(b []byte) (*Request, error) {
 							r.Info.Namespace = string(v)
 						case 3:
 							r.Info.ServiceAccount = string(v)
+						default:
+							return nil
 						}
+						return validUTF8(v)
 					}
 					return nil
 				})
@@ -202,11 +207,20 @@ func DecodeAck(b []byte) (errText string, ok bool, err error) {
 		return fields(v, func(n protowire.Number, typ protowire.Type, v []byte) error {
 			if n == 1 && typ == protowire.BytesType {
 				errText = string(v)
+				return validUTF8(v)
 			}
 			return nil
 		})
 	})
 	return errText, ok, err
+}
+
+// validUTF8 refuses a proto3 string that is not UTF-8, as protobuf does.
+func validUTF8(v []byte) error {
+	if !utf8.Valid(v) {
+		return errors.New("decoding ZDS message: a string field is not valid UTF-8")
+	}
+	return nil
 }
 
 // fields walks a message's fields; for varints v is the raw varint bytes,
@@ -216,6 +230,9 @@ func fields(b []byte, f func(protowire.Number, protowire.Type, []byte) error) er
 		n, typ, m := protowire.ConsumeTag(b)
 		if m < 0 {
 			return fmt.Errorf("decoding ZDS message: %w", protowire.ParseError(m))
+		}
+		if n > protowire.MaxValidNumber { // ConsumeTag checks only the lower bound; protobuf refuses these
+			return fmt.Errorf("decoding ZDS message: field number %d is out of range", n)
 		}
 		b = b[m:]
 		var v []byte

@@ -4,6 +4,10 @@
 // listeners on 15001, 15006 and 15008 there with IP_TRANSPARENT and
 // ztunnel's mark, as ztunnel does. A test proves capture end to end by
 // dialling from the pod and seeing the connection land on these listeners.
+//
+// It encodes and decodes with Istio's own generated ZDS types
+// (istio.io/istio/pkg/zdsapi, at the version go.mod pins), never with
+// nftcni's codec, so that a mistake made the same way in both cannot pass.
 package ztunneltest
 
 import (
@@ -19,10 +23,15 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+	"google.golang.org/protobuf/proto"
+	"istio.io/istio/pkg/zdsapi"
 
 	"github.com/nftcni/nftcni/agent/zds"
 	"github.com/nftcni/nftcni/istio"
 )
+
+// maxMessage is ztunnel's limit for one ZDS message (src/inpod/protocol.rs).
+const maxMessage = 1024
 
 // Event is one request ztunnel received.
 type Event struct {
@@ -60,6 +69,8 @@ type Ztunnel struct {
 	pods   map[string]*Pod
 	refuse map[string]string // uid -> error to ack Add with
 	seen   []Event           // every request, in order
+	// bare: ack Adds without opening listeners (the test listens itself).
+	bare bool
 }
 
 // Connect dials the agent's ZDS socket (retrying for a while, as ztunnel
@@ -75,9 +86,25 @@ func Connect(t testing.TB, path string) *Ztunnel {
 	return z
 }
 
+// ConnectBare is Connect for a ztunnel that takes each pod's netns and
+// acks, but opens no listeners in it: the test's own listeners on 15001,
+// 15006 and 15008 stand in for them.
+func ConnectBare(t testing.TB, path string) *Ztunnel {
+	t.Helper()
+	z, err := dial(path, 5*time.Second, true)
+	if err != nil {
+		t.Fatalf("test ztunnel: %v", err)
+	}
+	z.t = t
+	t.Cleanup(z.Close)
+	return z
+}
+
 // Dial is Connect without a test: for the demo's ztunnel stub. Events
 // are delivered on Events().
-func Dial(path string, retry time.Duration) (*Ztunnel, error) {
+func Dial(path string, retry time.Duration) (*Ztunnel, error) { return dial(path, retry, false) }
+
+func dial(path string, retry time.Duration, bare bool) (*Ztunnel, error) {
 	var uc *net.UnixConn
 	var err error
 	for deadline := time.Now().Add(retry); ; time.Sleep(10 * time.Millisecond) {
@@ -90,8 +117,13 @@ func Dial(path string, retry time.Duration) (*Ztunnel, error) {
 		return nil, fmt.Errorf("connecting to %s: %w", path, err)
 	}
 	z := &Ztunnel{uc: uc, events: make(chan Event, 1024), done: make(chan struct{}),
-		pods: map[string]*Pod{}, refuse: map[string]string{}}
-	if _, err := uc.Write(zds.EncodeHello(zds.VersionV1)); err != nil {
+		pods: map[string]*Pod{}, refuse: map[string]string{}, bare: bare}
+	hello, err := proto.Marshal(&zdsapi.ZdsHello{Version: zdsapi.Version_V1})
+	if err != nil {
+		uc.Close()
+		return nil, err
+	}
+	if _, err := uc.Write(hello); err != nil {
 		uc.Close()
 		return nil, err
 	}
@@ -170,7 +202,7 @@ func (z *Ztunnel) Wait(kind zds.Kind, uid string, timeout time.Duration) Event {
 func (z *Ztunnel) loop() {
 	defer close(z.done)
 	for {
-		buf := make([]byte, zds.MaxMessage)
+		buf := make([]byte, maxMessage)
 		oob := make([]byte, unix.CmsgSpace(4*4))
 		n, oobn, _, _, err := z.uc.ReadMsgUnix(buf, oob)
 		if err != nil || n == 0 {
@@ -184,16 +216,48 @@ func (z *Ztunnel) loop() {
 				}
 			}
 		}
-		ack := z.handle(buf[:n], fds)
-		if _, err := z.uc.Write(zds.EncodeAck(ack)); err != nil {
+		ack, err := proto.Marshal(&zdsapi.WorkloadResponse{Payload: &zdsapi.WorkloadResponse_Ack{Ack: &zdsapi.Ack{Error: z.handle(buf[:n], fds)}}})
+		if err != nil {
+			return
+		}
+		if _, err := z.uc.Write(ack); err != nil {
 			return
 		}
 	}
 }
 
+// request is a WorkloadRequest as Istio's generated types decode it.
+type request struct {
+	Kind zds.Kind
+	UID  string
+	Info *zds.WorkloadInfo
+}
+
+func decode(b []byte) (*request, error) {
+	var m zdsapi.WorkloadRequest
+	if err := proto.Unmarshal(b, &m); err != nil {
+		return nil, err
+	}
+	switch p := m.GetPayload().(type) {
+	case *zdsapi.WorkloadRequest_Add:
+		r := &request{Kind: zds.KindAdd, UID: p.Add.GetUid()}
+		if wi := p.Add.GetWorkloadInfo(); wi != nil {
+			r.Info = &zds.WorkloadInfo{Name: wi.GetName(), Namespace: wi.GetNamespace(), ServiceAccount: wi.GetServiceAccount()}
+		}
+		return r, nil
+	case *zdsapi.WorkloadRequest_Keep:
+		return &request{Kind: zds.KindKeep, UID: p.Keep.GetUid()}, nil
+	case *zdsapi.WorkloadRequest_Del:
+		return &request{Kind: zds.KindDel, UID: p.Del.GetUid()}, nil
+	case *zdsapi.WorkloadRequest_SnapshotSent:
+		return &request{Kind: zds.KindSnapshotSent}, nil
+	}
+	return nil, fmt.Errorf("a WorkloadRequest with no payload ztunnel knows (%d bytes)", len(b))
+}
+
 // handle applies one request and returns the ack's error text.
 func (z *Ztunnel) handle(b []byte, fds []int) string {
-	r, err := zds.DecodeRequest(b)
+	r, err := decode(b)
 	if err != nil {
 		closeFDs(fds)
 		return err.Error()
@@ -245,6 +309,15 @@ func (z *Ztunnel) handle(b []byte, fds []int) string {
 	p := &Pod{UID: r.UID, netns: netns}
 	if r.Info != nil {
 		p.Info = *r.Info
+	}
+	if z.bare {
+		z.mu.Lock()
+		if old := z.pods[r.UID]; old != nil {
+			old.close()
+		}
+		z.pods[r.UID] = p
+		z.mu.Unlock()
+		return ""
 	}
 	if err := p.listen(); err != nil {
 		p.close()
