@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/nftcni/nftcni/conflist"
+	"github.com/nftcni/nftcni/integration/conformance"
 	"github.com/nftcni/nftcni/internal/atomicfile"
 	"github.com/nftcni/nftcni/internal/testnet"
 )
@@ -42,6 +43,7 @@ func TestMain(m *testing.M) {
 	}
 	code := m.Run()
 	os.RemoveAll(dir)
+	conformance.Suite.Print(os.Stdout, "live:")
 	os.Exit(code)
 }
 

@@ -110,7 +110,7 @@ func ipv6OffDeliberate(backend string, v6 bool) func(p Probe) string {
 			return ""
 		}
 		if p.Proto == "udp" && p.Dst.Port() == 53 && p.From == "pod" || strings.HasPrefix(p.From, "side") {
-			return "AMBIENT_IPV6=false: Istio's nftables backend captures this IPv6 packet (a rule with no family), its iptables backend does not; nftcni does as the nftables backend"
+			return BackendsDisagreeOnIPv6
 		}
 		return ""
 	}

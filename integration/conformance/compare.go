@@ -2,10 +2,12 @@ package conformance
 
 import (
 	"fmt"
+	"io"
 	"os"
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 )
 
@@ -27,6 +29,14 @@ type Case struct {
 	// Extra probes beyond the matrix; Only, when set, replaces it.
 	Extra, Only []Probe
 }
+
+// BackendsDisagreeOnIPv6 is why a dual-stack pod's IPv6 probes differ
+// against Istio's iptables backend when Istio makes no IPv6 rules for it
+// (AMBIENT_IPV6=false; a sidecar whose proxy is not dual-stack): Istio's
+// nftables backend puts its rules in inet tables, and those that name no
+// family catch IPv6 too; its iptables backend leaves ip6tables empty.
+// nftcni, an nftables implementation, does as Istio's nftables backend.
+const BackendsDisagreeOnIPv6 = "Istio's backends disagree on this IPv6 packet when Istio makes no IPv6 rules: its nftables backend's rules that name no family catch it, its iptables backend leaves it alone; nftcni does as the nftables backend"
 
 // Diff is one probe whose fates differ.
 type Diff struct {
@@ -119,6 +129,14 @@ func Compare(t *testing.T, c Case) *Result {
 	c.Istio(t, istioTwin)
 	c.Nftcni(t, nftTwin)
 	r := Differ(t, c, istioTwin, nftTwin)
+	Report(t, c, r)
+	return r
+}
+
+// Report counts r in the suite's tally and fails the test on every probe
+// that differs, naming it.
+func Report(t testing.TB, c Case, r *Result) {
+	t.Helper()
 	Suite.add(r)
 	for _, d := range r.Diffs {
 		t.Errorf("%s: probe %q: Istio %q, nftcni %q", c.Name, d.Probe, d.Istio, d.Nftcni)
@@ -126,7 +144,28 @@ func Compare(t *testing.T, c Case) *Result {
 	for p, why := range r.Deliberate {
 		t.Logf("%s: probe %q differs on purpose: %s", c.Name, p, why)
 	}
-	return r
+}
+
+// Print writes the suite's result to w and appends it to
+// $NFTCNI_CONFORMANCE_REPORT when set (make test prints that file: go test
+// shows a passing package's output only with -v). Each test binary that
+// compares calls it from its TestMain.
+func (s *Tally) Print(w io.Writer, what string) {
+	if s.Configs+len(s.NotExpressible) == 0 {
+		return
+	}
+	out := what + " " + s.String()
+	fmt.Fprint(w, out)
+	if p := os.Getenv("NFTCNI_CONFORMANCE_REPORT"); p != "" {
+		f, err := os.OpenFile(p, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o644)
+		if err == nil {
+			_, err = f.WriteString(out)
+			f.Close()
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+		}
+	}
 }
 
 // Differ sends c's matrix through two twins already programmed and
@@ -150,12 +189,11 @@ func Differ(t testing.TB, c Case, a, b *Twin) *Result {
 	go func() { defer wg.Done(); fb = RunAll(b, probes) }()
 	wg.Wait()
 	r := &Result{Case: c.Name, Probes: len(probes), Deliberate: map[string]string{}, IstioFates: fa, NftcniFates: fb}
-	for i, p := range probes {
+	for _, p := range probes {
 		// A lost SYN on a loaded machine reads as no answer: a probe that
 		// differs that way is sent again, alone, before it counts.
 		for try := 1; try <= 2 && fa[p.Name] != fb[p.Name] && (fa[p.Name] == NoAnswer || fb[p.Name] == NoAnswer); try++ {
-			token := fmt.Sprintf("retry%d-%d", try, i)
-			fa[p.Name], fb[p.Name] = a.Run(p, a.Name+token), b.Run(p, b.Name+token)
+			fa[p.Name], fb[p.Name] = a.Run(p, nextToken(a)), b.Run(p, nextToken(b))
 		}
 		if fa[p.Name] == fb[p.Name] {
 			continue
@@ -176,6 +214,12 @@ func Differ(t testing.TB, c Case, a, b *Twin) *Result {
 	return r
 }
 
+// tokens number every probe sent, so that a listener's record is never
+// taken for another probe's, whichever pod of a node sent it.
+var tokens atomic.Uint64
+
+func nextToken(tw *Twin) string { return fmt.Sprintf("%s-%d", tw.Name, tokens.Add(1)) }
+
 // RunAll sends every probe through tw, a few at a time.
 func RunAll(tw *Twin, probes []Probe) map[string]string {
 	out := make(map[string]string, len(probes))
@@ -187,7 +231,7 @@ func RunAll(tw *Twin, probes []Probe) map[string]string {
 		go func() {
 			defer wg.Done()
 			for i := range work {
-				f := tw.Run(probes[i], fmt.Sprintf("%s-%d", tw.Name, i))
+				f := tw.Run(probes[i], nextToken(tw))
 				mu.Lock()
 				out[probes[i].Name] = f
 				mu.Unlock()

@@ -64,7 +64,7 @@ func hostTwin(t testing.TB, tw *Twin) {
 	var neigh []string
 	for _, a := range []netip.Addr{notEnrolled4, notEnrolled6} {
 		if a.Is4() || tw.Shape.IPv6 {
-			neigh = append(neigh, fmt.Sprintf("-n %s neigh replace %s lladdr %s dev veth0 nud permanent", tw.Node.Name, a, mac))
+			neigh = append(neigh, fmt.Sprintf("-n %s neigh replace %s lladdr %s dev %s nud permanent", tw.Node.Name, a, mac, tw.NodeVeth))
 		}
 	}
 	ipBatch(t, neigh)

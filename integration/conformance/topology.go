@@ -66,8 +66,10 @@ type Twin struct {
 	Shape Shape
 	Pod   *testnet.NS
 	Node  *testnet.NS
-	Sides []*testnet.NS
-	reg   *registry
+	// NodeVeth is the node's end of the pod's eth0.
+	NodeVeth string
+	Sides    []*testnet.NS
+	reg      *registry
 }
 
 // PodPorts are the pod's TCP listeners: the proxy's and ztunnel's ports,
@@ -75,30 +77,62 @@ type Twin struct {
 var PodPorts = []uint16{15001, 15006, 15008, 15020, 15021, 15053, 15090,
 	53, 80, 1111, 2222, 3333, 4000, 5000, 5555, 6000, 7000, 8080, 31000, 32000}
 
-// NewTwin builds a twin and starts its listeners; everything goes at
-// test cleanup.
+// NewTwin builds a twin on a node of its own; everything goes at test
+// cleanup.
 func NewTwin(t testing.TB, name string, s Shape) *Twin {
 	t.Helper()
-	tw := &Twin{Name: name, Shape: s, reg: newRegistry()}
+	return NewNode(t, name).AddPod(t, name, s)
+}
+
+// Node is a node netns that pods are added to one after another (an
+// agent's host netns, in the live comparison): its addresses and
+// listeners outlive each pod.
+type Node struct {
+	NS  *testnet.NS
+	reg *registry
+}
+
+// NewNode makes a node netns with every destination address and listener.
+func NewNode(t testing.TB, name string) *Node {
+	t.Helper()
+	n := &Node{NS: testnet.NewNS(t, "cfnode"), reg: newRegistry()}
+	var cmds []string
+	for _, a := range append(append(append([]netip.Addr{}, Outside4...), Outside6...), ProbeSources...) {
+		cmds = append(cmds, fmt.Sprintf("-n %s addr add %s dev lo nodad", n.NS.Name, netip.PrefixFrom(a, a.BitLen())))
+	}
+	ipBatch(t, cmds)
+	tw := &Twin{Name: name, Node: n.NS, reg: n.reg}
+	for _, port := range NodePorts {
+		tw.listenTCP(t, n.NS, "node", port)
+	}
+	tw.listenUDP(t, n.NS, "node", 53)
+	return n
+}
+
+// AddPod adds a pod of shape s to the node, joined by a veth of its own
+// that goes (synchronously, so that the next pod can take its addresses)
+// when the test ends; there may be one pod at a time.
+func (nd *Node) AddPod(t testing.TB, name string, s Shape) *Twin {
+	t.Helper()
+	tw := &Twin{Name: name, Shape: s, Node: nd.NS, reg: nd.reg}
 	tw.Pod = testnet.NewNS(t, "cfpod")
-	tw.Node = testnet.NewNS(t, "cfnode")
 	p, n := tw.Pod.Name, tw.Node.Name
+	veth := "vp" + strings.TrimPrefix(p, "cfpod-")
+	tw.NodeVeth = veth
 	cmds := []string{
-		fmt.Sprintf("link add veth0 netns %s type veth peer name eth0 netns %s", n, p),
+		fmt.Sprintf("link add %s netns %s type veth peer name eth0 netns %s", veth, n, p),
 		fmt.Sprintf("-n %s addr add %s/24 dev eth0", p, PodIP4),
 		fmt.Sprintf("-n %s link set eth0 up", p),
 		fmt.Sprintf("-n %s route add default via %s", p, NodeIP4),
-		fmt.Sprintf("-n %s addr add %s/24 dev veth0", n, NodeIP4),
-		fmt.Sprintf("-n %s link set veth0 up", n),
+		fmt.Sprintf("-n %s addr add %s/24 dev %s", n, NodeIP4, veth),
+		fmt.Sprintf("-n %s link set %s up", n, veth),
 	}
-	for _, a := range append(append(append([]netip.Addr{}, Outside4...), Outside6...), ProbeSources...) {
-		cmds = append(cmds, fmt.Sprintf("-n %s addr add %s dev lo nodad", n, netip.PrefixFrom(a, a.BitLen())))
-	}
+	t.Cleanup(func() { _ = exec.Command("ip", "-n", n, "link", "del", veth).Run() })
 	if s.IPv6 {
 		cmds = append(cmds,
 			fmt.Sprintf("-n %s addr add %s/64 dev eth0 nodad", p, PodIP6),
 			fmt.Sprintf("-n %s -6 route add default via %s", p, NodeIP6),
-			fmt.Sprintf("-n %s addr add %s/64 dev veth0 nodad", n, NodeIP6))
+			fmt.Sprintf("-n %s addr add %s/64 dev %s nodad", n, NodeIP6, veth))
 	}
 	for i, ifc := range s.Secondary {
 		side := testnet.NewNS(t, "cfside")
@@ -123,14 +157,14 @@ func NewTwin(t testing.TB, name string, s Shape) *Twin {
 	// Static neighbours: neighbour discovery on a brand-new veth loses the
 	// first packets (a connect then waits a 1 s SYN retry).
 	var neigh []string
-	podMAC, nodeMAC := macOf(t, tw.Pod, "eth0"), macOf(t, tw.Node, "veth0")
+	podMAC, nodeMAC := macOf(t, tw.Pod, "eth0"), macOf(t, tw.Node, veth)
 	add := func(ns, ip, mac, dev string) {
 		neigh = append(neigh, fmt.Sprintf("-n %s neigh replace %s lladdr %s dev %s nud permanent", ns, ip, mac, dev))
 	}
-	add(n, PodIP4.String(), podMAC, "veth0")
+	add(n, PodIP4.String(), podMAC, veth)
 	add(p, NodeIP4.String(), nodeMAC, "eth0")
 	if s.IPv6 {
-		add(n, PodIP6.String(), podMAC, "veth0")
+		add(n, PodIP6.String(), podMAC, veth)
 		add(p, NodeIP6.String(), nodeMAC, "eth0")
 	}
 	for i, ifc := range s.Secondary {
@@ -152,10 +186,6 @@ func NewTwin(t testing.TB, name string, s Shape) *Twin {
 	}
 	tw.listenUDP(t, tw.Pod, "pod", 53)
 	tw.listenUDP(t, tw.Pod, "pod", 15053)
-	for _, port := range NodePorts {
-		tw.listenTCP(t, tw.Node, "node", port)
-	}
-	tw.listenUDP(t, tw.Node, "node", 53)
 	for i, side := range tw.Sides {
 		label := fmt.Sprintf("side%d", i)
 		for _, port := range []uint16{80, 8080} {

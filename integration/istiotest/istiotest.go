@@ -135,7 +135,9 @@ func Start(t testing.TB, o Options) *Agent {
 	if err != nil {
 		t.Fatal(err)
 	}
-	args := []string{"-m", "--propagation", "private", "--", "sh", "-c", setup, "istio-node",
+	// Slave propagation, as the istio-cni chart's HostToContainer mount of
+	// the netns dir: pod netns made after the agent started reach it.
+	args := []string{"-m", "--propagation", "slave", "--", "sh", "-c", setup, "istio-node",
 		root, o.Node.Path, bins, sa, o.BinDir,
 		"/opt/istio/install-cni",
 		"--mounted-cni-net-dir", o.ConfDir, "--cni-agent-run-dir", a.RunDir, "--ztunnel-uds-address", a.ZtunnelSocket,
