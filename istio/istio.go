@@ -55,6 +55,7 @@ const (
 	EnvDNSCapture   = "ISTIO_META_DNS_CAPTURE"
 	EnvInvalidDrop  = "INVALID_DROP"
 	EnvDisableEnvoy = "DISABLE_ENVOY"
+	EnvDualStack    = "ISTIO_DUAL_STACK"
 
 	// Interception modes (sidecar.istio.io/interceptionMode).
 	ModeRedirect = "REDIRECT"

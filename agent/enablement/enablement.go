@@ -274,8 +274,13 @@ func (p *Policy) sidecar(pod *corev1.Pod, ips []string) *Decision {
 	if env(istio.EnvDisableEnvoy) {
 		return none("DISABLE_ENVOY is set on istio-proxy")
 	}
+	// Istio's capture makes IPv6 rules when the pod's first address is
+	// IPv6, or for any IPv6 address when the proxy runs dual-stack
+	// (tools/common/config getLocalIP): a dual-stack pod whose proxy does
+	// not listen on IPv6 keeps its IPv6 traffic uncaptured.
+	ipv6 := hasIPv6(ips) && (env(istio.EnvDualStack) || !hasIPv4(ips))
 	px := nft.SidecarProxy{UID: istio.ProxyID, GID: istio.ProxyID, DNSCapture: env(istio.EnvDNSCapture),
-		DropInvalid: env(istio.EnvInvalidDrop), IPv6: hasIPv6(ips)}
+		DropInvalid: env(istio.EnvInvalidDrop), IPv6: ipv6}
 	if sc := proxy.SecurityContext; sc != nil {
 		if sc.RunAsUser != nil && *sc.RunAsUser > 0 {
 			px.UID = uint32(*sc.RunAsUser)
@@ -291,10 +296,16 @@ func (p *Policy) sidecar(pod *corev1.Pod, ips []string) *Decision {
 // hasIPv6 says whether any of the pod's addresses (CIDR text, as package
 // wire carries them) is IPv6.
 func hasIPv6(ips []string) bool {
-	for _, s := range ips {
-		if p, err := netip.ParsePrefix(s); err == nil && p.Addr().Is6() && !p.Addr().Is4In6() {
-			return true
-		}
-	}
-	return false
+	return slices.ContainsFunc(ips, func(s string) bool {
+		p, err := netip.ParsePrefix(s)
+		return err == nil && p.Addr().Is6() && !p.Addr().Is4In6()
+	})
+}
+
+// hasIPv4 says whether any of the pod's addresses is IPv4.
+func hasIPv4(ips []string) bool {
+	return slices.ContainsFunc(ips, func(s string) bool {
+		p, err := netip.ParsePrefix(s)
+		return err == nil && p.Addr().Unmap().Is4()
+	})
 }

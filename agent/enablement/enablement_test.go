@@ -120,8 +120,28 @@ func TestSidecarFromPodSpec(t *testing.T) {
 	if d.Mode != wire.ModeSidecar {
 		t.Fatalf("injected pod: %+v", d)
 	}
-	if want := (nft.SidecarProxy{UID: 2000, GID: 3000, DNSCapture: true, DropInvalid: true, IPv6: true}); d.Sidecar.Proxy != want {
+	if want := (nft.SidecarProxy{UID: 2000, GID: 3000, DNSCapture: true, DropInvalid: true}); d.Sidecar.Proxy != want {
 		t.Errorf("proxy = %+v, want %+v", d.Sidecar.Proxy, want)
+	}
+	// IPv6 rules as Istio's capture decides them: for a pod whose first
+	// address is IPv6, or any IPv6 pod whose proxy runs dual-stack.
+	dualStack := func(x *corev1.Pod) {
+		x.Spec.Containers[1].Env = append(x.Spec.Containers[1].Env, corev1.EnvVar{Name: istio.EnvDualStack, Value: "true"})
+	}
+	for _, c := range []struct {
+		name string
+		mut  func(*corev1.Pod)
+		ips  []string
+		want bool
+	}{
+		{"dual-stack pod", nil, dual, false},
+		{"dual-stack pod, ISTIO_DUAL_STACK", dualStack, dual, true},
+		{"IPv6-only pod", nil, []string{"fd00::5/64"}, true},
+		{"IPv4-only pod, ISTIO_DUAL_STACK", dualStack, []string{"10.0.0.5/24"}, false},
+	} {
+		if got := p.Decide(injected(c.mut), ambientNS, c.ips).Sidecar.Proxy.IPv6; got != c.want {
+			t.Errorf("%s: IPv6 %v, want %v", c.name, got, c.want)
+		}
 	}
 	for name, mut := range map[string]func(*corev1.Pod){
 		"istio-init":   func(x *corev1.Pod) { x.Spec.InitContainers = []corev1.Container{{Name: "istio-init"}} },
