@@ -5,8 +5,9 @@
 # Usage: hack/istio-bins.sh DIR   (DIR/install-cni and DIR/istio-cni appear)
 set -euo pipefail
 out=${1:?usage: $0 DIR}
-# The commit the anchor figures were measured at; the proxy serves it.
-ISTIO_VERSION=v0.0.0-20260827124520-eed52ebb66ad
+# The commit the anchor figures were measured at, as go.mod pins it (the
+# conformance suite reads Istio's test data from the same module version).
+ISTIO_VERSION=$(cd "$(dirname "$0")/.." && go list -m -f '{{.Version}}' istio.io/istio)
 [ -x "$out/install-cni" ] && [ -x "$out/istio-cni" ] && exit 0
 mkdir -p "$out"
 work=$(mktemp -d)

@@ -58,3 +58,27 @@ func TestDocLinksResolve(t *testing.T) {
 		}
 	}
 }
+
+// One pin for Istio: the cache dir of Istio's binaries (the Makefile's
+// ISTIO_BIN, istiotest's default) names the commit go.mod pins, which
+// hack/istio-bins.sh builds and the conformance suite reads test data from.
+func TestIstioPinIsOne(t *testing.T) {
+	gomod, err := os.ReadFile("../go.mod")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := regexp.MustCompile(`(?m)^\s*istio\.io/istio v\S+-([0-9a-f]{12})$`).FindSubmatch(gomod)
+	if m == nil {
+		t.Fatal("go.mod pins no istio.io/istio pseudo-version")
+	}
+	commit := string(m[1])
+	for _, f := range []string{"../Makefile", "istiotest/istiotest.go", "../README.md"} {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !strings.Contains(string(b), "istio-"+commit) && !strings.Contains(string(b), "commit "+commit) {
+			t.Errorf("%s does not name Istio's commit %s, which go.mod pins", f, commit)
+		}
+	}
+}
