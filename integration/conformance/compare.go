@@ -82,7 +82,10 @@ func (s *Tally) add(r *Result) {
 	}
 	for why, ps := range byWhy {
 		sort.Strings(ps)
-		s.Deliberate = append(s.Deliberate, fmt.Sprintf("%s: %d probes (%s): %s", r.Case, len(ps), strings.Join(ps, ", "), why))
+		if len(ps) > 3 {
+			ps = append(ps[:3], "…")
+		}
+		s.Deliberate = append(s.Deliberate, fmt.Sprintf("%s: %d probes (%s): %s", r.Case, len(byWhy[why]), strings.Join(ps, ", "), why))
 	}
 }
 
