@@ -12,7 +12,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/nftcni/nftcni/agent/enablement"
-	"github.com/nftcni/nftcni/internal/testnet"
 	"github.com/nftcni/nftcni/istio"
 )
 
@@ -176,13 +175,4 @@ func ambientCases(t *testing.T, backend string) []Case {
 
 // TestAmbientGoldens compares nftcni's ambient ruleset with every in-pod
 // test case of istio-cni, both backends, IPv6 off and on.
-func TestAmbientGoldens(t *testing.T) {
-	testnet.RequireRoot(t)
-	for _, backend := range []string{"nftables", "iptables"} {
-		t.Run(backend, func(t *testing.T) {
-			for _, c := range ambientCases(t, backend) {
-				t.Run(strings.TrimPrefix(c.Name, backend+"/"), func(t *testing.T) { Compare(t, c) })
-			}
-		})
-	}
-}
+func TestAmbientGoldens(t *testing.T) { compareBackends(t, ambientCases) }

@@ -60,7 +60,7 @@ func hostTwin(t testing.TB, tw *Twin) {
 		cmds = append(cmds, fmt.Sprintf("-n %s addr add %s/64 dev eth0 nodad", tw.Pod.Name, notEnrolled6))
 	}
 	ipBatch(t, cmds)
-	mac := macOf(t, tw.Pod, "eth0")
+	mac := testnet.MAC(t, tw.Pod, "eth0")
 	var neigh []string
 	for _, a := range []netip.Addr{notEnrolled4, notEnrolled6} {
 		if a.Is4() || tw.Shape.IPv6 {

@@ -262,11 +262,15 @@ func captureCases(t *testing.T, backend string) []Case {
 
 // TestSidecarGoldens compares nftcni's sidecar ruleset with every test
 // configuration of Istio's sidecar capture, both backends.
-func TestSidecarGoldens(t *testing.T) {
+func TestSidecarGoldens(t *testing.T) { compareBackends(t, captureCases) }
+
+// compareBackends compares every case cases gives for each of Istio's
+// backends.
+func compareBackends(t *testing.T, cases func(t *testing.T, backend string) []Case) {
 	testnet.RequireRoot(t)
 	for _, backend := range []string{"nftables", "iptables"} {
 		t.Run(backend, func(t *testing.T) {
-			for _, c := range captureCases(t, backend) {
+			for _, c := range cases(t, backend) {
 				t.Run(strings.TrimPrefix(c.Name, backend+"/"), func(t *testing.T) { Compare(t, c) })
 			}
 		})

@@ -157,7 +157,7 @@ func (nd *Node) AddPod(t testing.TB, name string, s Shape) *Twin {
 	// Static neighbours: neighbour discovery on a brand-new veth loses the
 	// first packets (a connect then waits a 1 s SYN retry).
 	var neigh []string
-	podMAC, nodeMAC := macOf(t, tw.Pod, "eth0"), macOf(t, tw.Node, veth)
+	podMAC, nodeMAC := testnet.MAC(t, tw.Pod, "eth0"), testnet.MAC(t, tw.Node, veth)
 	add := func(ns, ip, mac, dev string) {
 		neigh = append(neigh, fmt.Sprintf("-n %s neigh replace %s lladdr %s dev %s nud permanent", ns, ip, mac, dev))
 	}
@@ -169,7 +169,7 @@ func (nd *Node) AddPod(t testing.TB, name string, s Shape) *Twin {
 	}
 	for i, ifc := range s.Secondary {
 		side := tw.Sides[i]
-		pm, sm := macOf(t, tw.Pod, ifc), macOf(t, side, "peer")
+		pm, sm := testnet.MAC(t, tw.Pod, ifc), testnet.MAC(t, side, "peer")
 		for _, v6 := range []bool{false, true} {
 			if v6 && !s.IPv6 {
 				continue
@@ -234,16 +234,6 @@ func ipBatch(t testing.TB, cmds []string) {
 			t.Fatalf("ip %s: %v\n%s\n%s", strings.Join(args, " "), err, out, strings.Join(byNS[ns], "\n"))
 		}
 	}
-}
-
-func macOf(t testing.TB, n *testnet.NS, ifc string) string {
-	t.Helper()
-	out, err := exec.Command("ip", "-n", n.Name, "-br", "link", "show", "dev", ifc).CombinedOutput()
-	f := strings.Fields(string(out))
-	if err != nil || len(f) < 3 {
-		t.Fatalf("reading MAC of %s in %s: %v %s", ifc, n.Name, err, out)
-	}
-	return f[2]
 }
 
 // Exec runs a command inside the twin's pod netns (loading Istio's rules).

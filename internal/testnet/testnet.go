@@ -142,7 +142,7 @@ func NewPair(t testing.TB, subnet int) *Pair {
 	}
 	// Static neighbours: IPv6 neighbour discovery on a brand-new veth pair
 	// loses the first packets here (a connect then waits a 1 s SYN retry).
-	nodeMAC, podMAC := mac(t, p.Node, p.NodeIfc), mac(t, p.Pod, p.PodIfc)
+	nodeMAC, podMAC := MAC(t, p.Node, p.NodeIfc), MAC(t, p.Pod, p.PodIfc)
 	for _, c := range [][]string{
 		{"-n", p.Node.Name, "neigh", "replace", p.PodIP4.String(), "lladdr", podMAC, "dev", p.NodeIfc, "nud", "permanent"},
 		{"-n", p.Node.Name, "neigh", "replace", p.PodIP6.String(), "lladdr", podMAC, "dev", p.NodeIfc, "nud", "permanent"},
@@ -154,7 +154,8 @@ func NewPair(t testing.TB, subnet int) *Pair {
 	return p
 }
 
-func mac(t testing.TB, n *NS, ifc string) string {
+// MAC is the hardware address of interface ifc in netns n.
+func MAC(t testing.TB, n *NS, ifc string) string {
 	t.Helper()
 	out, err := exec.Command("ip", "-n", n.Name, "-br", "link", "show", "dev", ifc).CombinedOutput()
 	f := strings.Fields(string(out))

@@ -310,18 +310,11 @@ func (z *Ztunnel) handle(b []byte, fds []int) string {
 	if r.Info != nil {
 		p.Info = *r.Info
 	}
-	if z.bare {
-		z.mu.Lock()
-		if old := z.pods[r.UID]; old != nil {
-			old.close()
+	if !z.bare {
+		if err := p.listen(); err != nil {
+			p.close()
+			return err.Error()
 		}
-		z.pods[r.UID] = p
-		z.mu.Unlock()
-		return ""
-	}
-	if err := p.listen(); err != nil {
-		p.close()
-		return err.Error()
 	}
 	z.mu.Lock()
 	if old := z.pods[r.UID]; old != nil {
