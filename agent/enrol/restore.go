@@ -4,18 +4,16 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net/netip"
 	"os"
 	"sync"
 
-	"github.com/vishvananda/netlink"
-	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/nftcni/nftcni/agent/enablement"
 	"github.com/nftcni/nftcni/agent/records"
 	"github.com/nftcni/nftcni/agent/zds"
+	"github.com/nftcni/nftcni/internal/netnsaddr"
 	"github.com/nftcni/nftcni/istio"
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
@@ -115,31 +113,12 @@ func openRecorded(r *records.Record) (*os.File, error) {
 		f.Close()
 		return nil, fmt.Errorf("%s is not a network namespace", r.Pod.Netns)
 	}
-	if ips := addrs(r.Pod.IPs); len(ips) > 0 && !holds(f, ips[0]) {
+	if ips := addrs(r.Pod.IPs); len(ips) > 0 && !netnsaddr.Holds(f, ips[0]) {
 		f.Close()
 		return nil, fmt.Errorf("%s no longer holds the pod's address %s", r.Pod.Netns, ips[0])
 	}
 	r.NetnsDev, r.NetnsIno = st.Dev, st.Ino
 	return f, nil
-}
-
-// holds says whether the netns behind f has ip on an interface.
-func holds(f *os.File, ip netip.Addr) bool {
-	h, err := netlink.NewHandleAt(netns.NsHandle(f.Fd()))
-	if err != nil {
-		return false
-	}
-	defer h.Close()
-	as, err := h.AddrList(nil, netlink.FAMILY_ALL)
-	if err != nil {
-		return false
-	}
-	for _, a := range as {
-		if got, ok := netip.AddrFromSlice(a.IP); ok && got.Unmap() == ip.Unmap() {
-			return true
-		}
-	}
-	return false
 }
 
 // PruneGone releases the restored pods the store no longer has (deleted

@@ -20,8 +20,7 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/vishvananda/netlink"
-	"github.com/vishvananda/netns"
+	"github.com/nftcni/nftcni/internal/netnsaddr"
 	"golang.org/x/sys/unix"
 )
 
@@ -88,33 +87,10 @@ func (s *Scanner) Find(uid string, ips []netip.Addr) (*os.File, error) {
 			continue
 		}
 		tried[st.Ino] = true
-		if holds(f, ips) {
+		if netnsaddr.Holds(f, ips...) {
 			return f, nil
 		}
 		f.Close()
 	}
 	return nil, fmt.Errorf("%w (uid %s, %v)", ErrNotFound, uid, ips)
-}
-
-// holds says whether the netns behind f has one of ips on an interface.
-func holds(f *os.File, ips []netip.Addr) bool {
-	h, err := netlink.NewHandleAt(netns.NsHandle(f.Fd()))
-	if err != nil {
-		return false
-	}
-	defer h.Close()
-	addrs, err := h.AddrList(nil, netlink.FAMILY_ALL)
-	if err != nil {
-		return false
-	}
-	for _, a := range addrs {
-		if ip, ok := netip.AddrFromSlice(a.IP); ok {
-			for _, want := range ips {
-				if ip.Unmap() == want.Unmap() {
-					return true
-				}
-			}
-		}
-	}
-	return false
 }
