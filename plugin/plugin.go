@@ -177,8 +177,13 @@ func (c *call) pod(prev *result) *wire.Pod {
 }
 
 // printPrev writes prevResult back as it came: it is already in the
-// config's cniVersion.
+// config's cniVersion. Without one (standalone), the result is empty, as
+// istio-cni's is there: an extra network that adds no interface.
 func (c *call) printPrev(w io.Writer) error {
+	if c.conf.PrevResult == nil {
+		_, err := fmt.Fprintf(w, "{\"cniVersion\":%q}\n", c.conf.CNIVersion)
+		return err
+	}
 	_, err := w.Write(append(slices.Clip(c.conf.PrevResult), '\n'))
 	return err
 }
@@ -241,10 +246,10 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 			c.log(levelError, "ADD failed", "err", err)
 		}
 	}()
+	// Without prevResult nftcni is a network of its own (standalone mode,
+	// Multus's extra network): the agent takes the pod's addresses from
+	// its netns, and the result has nothing to add.
 	prev := c.conf.prevResult()
-	if prev == nil {
-		return errors.New("nftcni: no prevResult: nftcni is a chained plugin and must come after the primary CNI plugin in the conflist")
-	}
 	if why := c.excluded(); why != "" {
 		c.debug("passing through", "reason", why)
 		return c.printPrev(stdout)
@@ -491,10 +496,7 @@ func (p *Plugin) Check(args *Args) (err error) {
 		return err
 	}
 	defer c.finish()
-	prev := c.conf.prevResult()
-	if prev == nil {
-		return errors.New("nftcni: CHECK needs prevResult")
-	}
+	prev := c.conf.prevResult() // nil in standalone mode: the agent knows the pod's addresses
 	if why := c.passThrough(); why != "" {
 		return nil
 	}

@@ -11,6 +11,7 @@ import (
 
 	"github.com/nftcni/nftcni/agent/enablement"
 	"github.com/nftcni/nftcni/agent/events"
+	"github.com/nftcni/nftcni/internal/netnsaddr"
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
@@ -84,6 +85,17 @@ func (e *Enroller) track(ctx context.Context, wp *wire.Pod, netns *os.File) (*po
 // Add runs a pod's ADD: the decision, and for a pod it enrols the one
 // enrolment, with the plugin programming the rules.
 func (e *Enroller) Add(ctx context.Context, wp *wire.Pod, netns *os.File, plugin events.Plugin) error {
+	if len(wp.IPs) == 0 {
+		// No prevResult (a standalone network, Multus's extra network):
+		// the pod's addresses are the ones its netns holds.
+		ps, err := netnsaddr.List(netns)
+		if err != nil {
+			e.log.Warn("reading the addresses of a pod's netns", "pod", wp.Key(), "err", err)
+		}
+		for _, p := range ps {
+			wp.IPs = append(wp.IPs, p.String())
+		}
+	}
 	wp.IPs = canonical(wp.IPs)
 	d, err := e.Decide(ctx, wp)
 	if err != nil {
