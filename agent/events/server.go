@@ -116,8 +116,10 @@ func NewServer(h Handler, log *slog.Logger, m *Metrics) *Server {
 	return &Server{h: h, log: log, metrics: m, Timeout: 10 * time.Second, MaxConns: 256, CheckPeer: unixsock.RequireRoot}
 }
 
-// Listen binds the plugin socket at path, root-only, in a 0750 dir.
-func Listen(path string) (*net.UnixListener, error) { return sockfile.Listen(path, 0o750) }
+// Listen binds the plugin socket at path, root-only, in a 0750 dir. The
+// run dir's lock keeps any other agent off it, so a socket there is an
+// earlier agent's; one still served is refused at once all the same.
+func Listen(path string) (*net.UnixListener, error) { return sockfile.Listen(path, 0o750, 0) }
 
 // Serve accepts connections until ctx ends, then closes l and waits for
 // the connections in flight.

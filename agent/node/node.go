@@ -40,9 +40,13 @@ type Config struct {
 	ProcDir   string // the host's /proc, for pods that predate the agent
 	// ZtunnelSocket is the ZDS socket; "" runs without ztunnel.
 	ZtunnelSocket string
-	IPv6          bool
-	ProbeSNAT     nft.ProbeSNAT
-	Policy        *enablement.Policy
+	// ZtunnelSocketWait is how long a ZDS socket another live process
+	// serves (istio-cni's agent, during a rollout) is waited for before
+	// the agent gives up; 0 means 30 s (istio-cni's grace period).
+	ZtunnelSocketWait time.Duration
+	IPv6              bool
+	ProbeSNAT         nft.ProbeSNAT
+	Policy            *enablement.Policy
 
 	// Where pods come from: Kubernetes (Kube set), a static directory
 	// (StaticDir), a store filled by the caller (Store), or nothing.
@@ -69,6 +73,13 @@ type Config struct {
 	// Lock is the run dir's lock when the caller took it already (the
 	// command takes it before anything else); nil: Start takes it.
 	Lock *runlock.Lock
+}
+
+func (c Config) socketWait() time.Duration {
+	if c.ZtunnelSocketWait == 0 {
+		return 30 * time.Second
+	}
+	return c.ZtunnelSocketWait
 }
 
 // Node is a running enrolment side.
@@ -159,7 +170,7 @@ func Start(ctx context.Context, cfg Config) (_ *Node, err error) {
 		LookupRetries: cfg.LookupRetries}
 	var zl *net.UnixListener
 	if cfg.ZtunnelSocket != "" {
-		if zl, err = zds.Listen(cfg.ZtunnelSocket); err != nil {
+		if zl, err = zds.Listen(cfg.ZtunnelSocket, cfg.socketWait()); err != nil {
 			return nil, fmt.Errorf("ZDS socket %s: %w", cfg.ZtunnelSocket, err)
 		}
 		served := false

@@ -79,8 +79,12 @@ func NewServer(log *slog.Logger, reg prometheus.Registerer) *Server {
 }
 
 // Listen binds the ZDS socket, root-only (ztunnel runs as root), in a
-// dir ztunnel's pod mounts too.
-func Listen(path string) (*net.UnixListener, error) { return sockfile.Listen(path, 0o755) }
+// dir ztunnel's pod mounts too. A socket another live process serves there
+// (istio-cni's agent while a rollout replaces it) is waited for up to
+// wait, never taken (sockfile.InUseError).
+func Listen(path string, wait time.Duration) (*net.UnixListener, error) {
+	return sockfile.Listen(path, 0o755, wait)
+}
 
 // Serve accepts ztunnel connections until ctx ends.
 func (s *Server) Serve(ctx context.Context, l *net.UnixListener) error {

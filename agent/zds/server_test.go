@@ -30,7 +30,7 @@ func serve(t *testing.T, configure ...func(*zds.Server)) (*zds.Server, string) {
 	t.Helper()
 	testnet.RequireRoot(t)
 	path := filepath.Join(t.TempDir(), "ztunnel", "ztunnel.sock")
-	l, err := zds.Listen(path)
+	l, err := zds.Listen(path, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
