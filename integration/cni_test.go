@@ -115,6 +115,8 @@ type cniNode struct {
 	// wide gives the pod network a /22 (10.<100+subnet>.0.0) for more than
 	// 254 pods; the default is 10.88.<subnet>.0/24.
 	wide bool
+	// state is the agent's state dir (the policy snapshot), "" for none.
+	state string
 }
 
 // podRange is the pod network's subnet; gateway its bridge's address.
@@ -173,7 +175,7 @@ func (n *cniNode) startAgent() {
 	if err := level.UnmarshalText([]byte(n.pluginLogLevel)); err != nil {
 		t.Fatal(err)
 	}
-	a, err := node.Start(context.Background(), node.Config{RunDir: n.run, HostNetns: n.node.Path, ZtunnelSocket: n.zsock,
+	a, err := node.Start(context.Background(), node.Config{RunDir: n.run, StateDir: n.state, HostNetns: n.node.Path, ZtunnelSocket: n.zsock,
 		IPv6: true, Policy: n.policy, Store: n.store, LookupRetries: 2, Registry: n.reg,
 		Log: slog.New(slog.NewTextHandler(n.log, &slog.HandlerOptions{Level: level}))})
 	if err != nil {
@@ -219,6 +221,9 @@ func (n *cniNode) pod(namespace, name string, ann map[string]string) *corev1.Pod
 func (n *cniNode) entry(statusRequiresAgent bool) []byte {
 	v := templates.Values{LogLevel: n.pluginLogLevel, AgentRunDir: n.run, ExcludeNamespaces: []string{"kube-system"},
 		PodNamespace: "nftcni-system", StatusRequiresAgent: statusRequiresAgent}
+	if n.state != "" {
+		v.PolicySnapshot = filepath.Join(n.state, wire.PolicyName)
+	}
 	e, err := templates.PluginEntry(v)
 	if err != nil {
 		n.t.Fatal(err)

@@ -39,6 +39,7 @@ type Config struct {
 
 	LogLevel            string   // plugin_log_level
 	RunDir              string   // cni_agent_run_dir
+	PolicySnapshot      string   // policy_snapshot: empty means <run dir>/policy.json
 	ExcludeNamespaces   []string // exclude_namespaces
 	PodNamespace        string   // pod_namespace
 	StatusRequiresAgent bool     // status_requires_agent
@@ -75,6 +76,7 @@ func ParseConfig(stdin []byte) (*Config, error) {
 	str("name", &c.Name)
 	str("plugin_log_level", &c.LogLevel)
 	str("cni_agent_run_dir", &c.RunDir)
+	str("policy_snapshot", &c.PolicySnapshot)
 	str("pod_namespace", &c.PodNamespace)
 	if err != nil {
 		return nil, err
@@ -131,6 +133,9 @@ func ParseConfig(stdin []byte) (*Config, error) {
 		return nil, fmt.Errorf("cni_agent_run_dir %q must be an absolute path", c.RunDir)
 	}
 	c.RunDir = filepath.Clean(c.RunDir)
+	if c.PolicySnapshot != "" && !filepath.IsAbs(c.PolicySnapshot) {
+		return nil, fmt.Errorf("policy_snapshot %q must be an absolute path", c.PolicySnapshot)
+	}
 	switch strings.ToLower(c.LogLevel) {
 	case "debug":
 		c.level = levelDebug
@@ -175,8 +180,14 @@ func strings_(v gjson.Result, key string) ([]string, error) {
 // SocketPath is the agent's event socket.
 func (c *Config) SocketPath() string { return filepath.Join(c.RunDir, wire.SocketName) }
 
-// PolicyPath is the agent's policy snapshot.
-func (c *Config) PolicyPath() string { return filepath.Join(c.RunDir, wire.PolicyName) }
+// PolicyPath is the agent's policy snapshot: on persistent storage when
+// the entry names it (it must outlive a reboot), else in the run dir.
+func (c *Config) PolicyPath() string {
+	if c.PolicySnapshot != "" {
+		return c.PolicySnapshot
+	}
+	return filepath.Join(c.RunDir, wire.PolicyName)
+}
 
 // result is the part of a CNI result (0.3.0 and later) the plugin reads:
 // each address and the name of the interface it is on, if any.

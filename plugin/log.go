@@ -131,6 +131,9 @@ func writeLogFile(dir string, recs []json.RawMessage) {
 	if len(recs) == 0 {
 		return
 	}
+	// After a reboot the run dir (a tmpfs) is made by the agent, which may
+	// not be back: the plugin's log is most wanted then.
+	_ = os.MkdirAll(dir, 0o750)
 	path := filepath.Join(dir, wire.LogName)
 	if st, err := os.Lstat(path); err == nil && st.Size() > maxLogBytes {
 		_ = os.Rename(path, path+".1")

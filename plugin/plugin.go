@@ -382,11 +382,12 @@ func (c *call) answerLean(kind, want wire.Kind) (*wire.Reply, []int, error) {
 	return r, fds, nil
 }
 
-// errNoSnapshot: no agent has written a policy snapshot since the run dir
-// was made. The run dir is on /run, a tmpfs, so that is every boot: our
-// entry is in the conflist (someone installed us) but nothing says which
-// pods are meshed, and letting them through would start them un-captured.
-var errNoSnapshot = errors.New("no policy snapshot: no nftcni agent has run since the node booted")
+// errNoSnapshot: no agent has written a policy snapshot where the entry
+// says (in the run dir, on /run, a tmpfs, after every boot; on persistent
+// storage, before the first agent ever ran): our entry is in the conflist
+// (someone installed us) but nothing says which pods are meshed, and
+// letting them through would start them un-captured.
+var errNoSnapshot = errors.New("no policy snapshot: no nftcni agent has written one")
 
 // wouldEnrol answers from the agent's policy snapshot whether the agent
 // would enrol pod.
@@ -399,6 +400,12 @@ func (c *call) wouldEnrol(pod *wire.Pod) (bool, string, error) {
 		return false, "", err
 	}
 	enrol, why := pol.Fallback(pod.Namespace, pod.Key())
+	if pol.Stale() {
+		// Written before this boot (the agent is not back yet): it still
+		// tells pods outside the mesh from those in it, and never enrols
+		// one; a pod it misjudges is enrolled late when the agent is back.
+		why += fmt.Sprintf(" (policy snapshot of an earlier boot, written %s)", pol.Generated.Format(time.RFC3339))
+	}
 	return enrol, why, nil
 }
 

@@ -31,6 +31,9 @@ type Values struct {
 	// StatusRequiresAgent makes CNI STATUS fail while the agent is down. Off by
 	// default: a failing STATUS marks the node NetworkReady=false on containerd.
 	StatusRequiresAgent bool // status_requires_agent
+	// PolicySnapshot is where the agent keeps the policy snapshot the
+	// plugin falls back on (policy_snapshot); empty: in the run dir.
+	PolicySnapshot string
 }
 
 // PluginEntry renders our plugin object for a network list.
@@ -49,6 +52,12 @@ func PluginEntry(v Values) ([]byte, error) {
 		{"exclude_namespaces", excl},
 		{"pod_namespace", v.PodNamespace},
 		{"status_requires_agent", v.StatusRequiresAgent},
+	}
+	if v.PolicySnapshot != "" {
+		sets = append(sets, struct {
+			path string
+			val  any
+		}{"policy_snapshot", v.PolicySnapshot})
 	}
 	for _, s := range sets {
 		var err error

@@ -393,15 +393,18 @@ func (s *Server) pluginLogs(ctx context.Context, recs []json.RawMessage) {
 	}
 }
 
-// WritePolicy replaces the policy snapshot in runDir atomically, so the
-// plugin reads either the old or the new one, never a mix.
-func WritePolicy(runDir string, p *wire.Policy) error {
+// WritePolicy replaces the policy snapshot at path atomically, so the
+// plugin reads either the old or the new one, never a mix. It is stamped
+// with this boot's ID, so that a plugin reading it after a reboot knows
+// it for an earlier boot's.
+func WritePolicy(path string, p *wire.Policy) error {
+	p.BootID = wire.BootID()
 	b, err := json.MarshalIndent(p, "", "  ")
 	if err != nil {
 		return err
 	}
-	if err := os.MkdirAll(runDir, 0o750); err != nil {
+	if err := os.MkdirAll(filepath.Dir(path), 0o750); err != nil {
 		return err
 	}
-	return atomicfile.WriteFile(filepath.Join(runDir, wire.PolicyName), append(b, '\n'), nil)
+	return atomicfile.WriteFile(path, append(b, '\n'), nil)
 }

@@ -35,7 +35,10 @@ import (
 
 // Config is what the enrolment side runs with.
 type Config struct {
-	RunDir    string // sockets, policy snapshot, pod records, lock
+	RunDir string // sockets, pod records, lock (and the policy snapshot without StateDir)
+	// StateDir keeps what must outlive a reboot: the policy snapshot the
+	// plugin falls back on while the agent is not back yet. Empty: RunDir.
+	StateDir  string
 	HostNetns string // the host's netns, where the probe table lives
 	ProcDir   string // the host's /proc, for pods that predate the agent
 	// ZtunnelSocket is the ZDS socket; "" runs without ztunnel.
@@ -73,6 +76,14 @@ type Config struct {
 	// Lock is the run dir's lock when the caller took it already (the
 	// command takes it before anything else); nil: Start takes it.
 	Lock *runlock.Lock
+}
+
+// PolicyPath is where the policy snapshot goes.
+func (c Config) PolicyPath() string {
+	if c.StateDir != "" {
+		return filepath.Join(c.StateDir, wire.PolicyName)
+	}
+	return filepath.Join(c.RunDir, wire.PolicyName)
 }
 
 func (c Config) socketWait() time.Duration {
@@ -225,8 +236,8 @@ func Start(ctx context.Context, cfg Config) (_ *Node, err error) {
 	e = enrol.New(opts)
 	n.Enroller = e
 	writePolicy := func() {
-		if err := events.WritePolicy(cfg.RunDir, e.Policy()); err != nil {
-			log.Error("could not write the policy snapshot the plugin falls back on", "path", filepath.Join(cfg.RunDir, wire.PolicyName), "err", err)
+		if err := events.WritePolicy(cfg.PolicyPath(), e.Policy()); err != nil {
+			log.Error("could not write the policy snapshot the plugin falls back on", "path", cfg.PolicyPath(), "err", err)
 		}
 	}
 	n.goWait(func() {
@@ -318,7 +329,7 @@ func Start(ctx context.Context, cfg Config) (_ *Node, err error) {
 	}
 	srv := events.NewServer(e, log, events.NewMetrics(cfg.Registry))
 	n.goWait(func() { _ = srv.Serve(ctx, l) })
-	log.Info("serving the plugin", "socket", sock, "policy-snapshot", filepath.Join(cfg.RunDir, wire.PolicyName))
+	log.Info("serving the plugin", "socket", sock, "policy-snapshot", cfg.PolicyPath())
 	if cfg.VerifyEvery > 0 {
 		n.goWait(func() { e.Verify(ctx, cfg.VerifyEvery, cfg.VerifyConcurrency) })
 		log.Info("verifying every enrolled pod's ruleset", "interval", cfg.VerifyEvery, "concurrency", cfg.VerifyConcurrency)

@@ -6,13 +6,11 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
-	"path/filepath"
 	"time"
 
 	"github.com/nftcni/nftcni/agent/install"
 	kubesrc "github.com/nftcni/nftcni/agent/kube"
 	"github.com/nftcni/nftcni/agent/readiness"
-	"github.com/nftcni/nftcni/plugin/wire"
 )
 
 // Exit policies: what a stopping agent does with what it installed.
@@ -90,7 +88,7 @@ func Run(ctx context.Context, a Agent) error {
 		runErr = errors.Join(runErr, fmt.Errorf("removing the host probe table: %w", err))
 	}
 	n.Stop()
-	policyErr := os.Remove(filepath.Join(a.RunDir, wire.PolicyName))
+	policyErr := os.Remove(a.PolicyPath())
 	if errors.Is(policyErr, os.ErrNotExist) {
 		policyErr = nil
 	}

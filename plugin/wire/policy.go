@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/nftcni/nftcni/nft/nlsend"
@@ -23,6 +24,10 @@ import (
 // this node (the scheduler binds pods before the runtime creates them).
 type Policy struct {
 	Generated time.Time `json:"generated"`
+	// BootID is the kernel's boot ID when the agent wrote it: a snapshot
+	// of an earlier boot is still read (it lets pods outside the mesh start
+	// before the agent is back), and said to be stale.
+	BootID string `json:"bootID,omitempty"`
 	// ExcludeNamespaces are never enrolled.
 	ExcludeNamespaces []string `json:"excludeNamespaces"`
 	// EnrolledNamespaces enrol their pods unless a pod opts out.
@@ -51,6 +56,21 @@ func (p *Policy) Fallback(ns, key string) (enrol bool, why string) {
 	}
 	return false, fmt.Sprintf("namespace %s is not enrolled", ns)
 }
+
+// bootIDPath is where the kernel says which boot this is.
+var bootIDPath = "/proc/sys/kernel/random/boot_id"
+
+// BootID is this boot's ID ("" when the kernel does not say).
+func BootID() string {
+	b, err := os.ReadFile(bootIDPath)
+	if err != nil {
+		return ""
+	}
+	return strings.TrimSpace(string(b))
+}
+
+// Stale says whether the snapshot was written before this boot.
+func (p *Policy) Stale() bool { return p.BootID != "" && p.BootID != BootID() }
 
 // maxPolicy bounds a snapshot: a few hundred pods take tens of KiB.
 const maxPolicy = 4 << 20

@@ -111,7 +111,7 @@ func (a *ambientFlags) restConfig() (*rest.Config, error) {
 // nodeConfig is the enrolment side's Config (package node) from the
 // flags, with the Kubernetes client when pods come from Kubernetes.
 func nodeConfig(c *common, a *ambientFlags, policy *enablement.Policy, lock *runlock.Lock, reg prometheus.Registerer, log *slog.Logger) (node.Config, error) {
-	cfg := node.Config{RunDir: c.runDir, HostNetns: a.hostNetns, ProcDir: a.procDir, IPv6: a.ipv6, ProbeSNAT: policy.Config().ProbeSNAT, Policy: policy,
+	cfg := node.Config{RunDir: c.runDir, StateDir: c.stateDir, HostNetns: a.hostNetns, ProcDir: a.procDir, IPv6: a.ipv6, ProbeSNAT: policy.Config().ProbeSNAT, Policy: policy,
 		NodeName: a.nodeName, Repair: a.repair, VerifyEvery: a.verifyEvery, VerifyConcurrency: a.verifyConcurrency, Registry: reg, Log: log, Lock: lock}
 	src, err := a.source()
 	if err != nil {

@@ -13,6 +13,7 @@ import (
 
 	"github.com/nftcni/nftcni/istio"
 	"github.com/nftcni/nftcni/nft"
+	"github.com/nftcni/nftcni/plugin/wire"
 )
 
 // flagSet is a flag.FlagSet whose flags each have an environment twin in
@@ -62,7 +63,8 @@ func (f *flagSet) parse(args []string) error {
 // common holds the settings every command shares.
 type common struct {
 	confDir, binDirs, pluginBinary, confName, mode string
-	runDir, logLevel, logFormat, pluginLogLevel    string
+	runDir, stateDir, logLevel, logFormat          string
+	pluginLogLevel                                 string
 	excludeNamespaces, podNamespace                string
 	standaloneCNIVersion                           string
 	statusRequiresAgent                            bool
@@ -75,6 +77,7 @@ func (c *common) register(f *flagSet) {
 	f.str(&c.confName, "cni-conf-name", "CNI_CONF_NAME", "", "chained/owned/dropin: primary config file to use (default: the first valid one, as runtimes pick it); standalone/owned: our file's name when it ends in .conflist and the mode writes one")
 	f.str(&c.mode, "mode", "INSTALL_MODE", "chained", "chained | standalone | owned | dropin")
 	runDirFlag(f, &c.runDir)
+	f.str(&c.stateDir, "state-dir", "CNI_AGENT_STATE_DIR", "", "persistent host dir for what must outlive a reboot: the policy snapshot the plugin falls back on until the agent is back (the chart sets /var/lib/nftcni); empty: the run dir, which a reboot empties")
 	f.str(&c.logLevel, "log-level", "LOG_LEVEL", "info", "agent log level: debug | info | warn | error")
 	f.str(&c.logFormat, "log-format", "LOG_FORMAT", "text", "agent log format: text | json")
 	f.str(&c.pluginLogLevel, "plugin-log-level", "PLUGIN_LOG_LEVEL", "info", "plugin log level written into its conflist entry")
@@ -124,6 +127,14 @@ func (p *probeSNATFlags) parse() (nft.ProbeSNAT, error) {
 		}
 	}
 	return out, nil
+}
+
+// policySnapshot is the snapshot's path when it lives in the state dir.
+func (c *common) policySnapshot() string {
+	if c.stateDir == "" {
+		return ""
+	}
+	return filepath.Join(c.stateDir, wire.PolicyName)
 }
 
 func (c *common) bins() []string {

@@ -109,6 +109,7 @@ func newInstaller(c *common, log *slog.Logger, needBinary bool) (*install.Instal
 		ExcludeNamespaces:   c.namespaces(),
 		PodNamespace:        c.podNamespace,
 		StatusRequiresAgent: c.statusRequiresAgent,
+		PolicySnapshot:      c.policySnapshot(),
 	}
 	entry, err := templates.PluginEntry(vals)
 	if err != nil {
