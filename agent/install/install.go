@@ -482,6 +482,12 @@ func (in *Installer) ensureDropIn(res *Result) error {
 	if err != nil {
 		return err
 	}
+	if c.Kind == conflist.Single {
+		// libcni reads drop-ins only for a list (NetworkConfFromFile); a
+		// single-plugin .conf is read without them, so nftcni would never
+		// run and meshed pods would start un-captured with no error anywhere.
+		return fmt.Errorf("%s is a single-plugin config: runtimes read drop-ins only for a .conflist, so nftcni would never run; use --mode owned (a list of ours beside it) or chained", c.Path)
+	}
 	if raise != "" {
 		return fmt.Errorf("%s: cniVersion %q predates plugin chaining, and a drop-in cannot raise it; use --mode chained or owned", c.Path, c.CNIVersion)
 	}

@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/containernetworking/cni/libcni"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/tidwall/gjson"
 
@@ -753,5 +754,37 @@ func TestTakesOverFromIstioCNI(t *testing.T) {
 	}
 	if got := n.read(t, "10-calico.conflist"); !bytes.Equal(got, orig) {
 		t.Errorf("after uninstall:\n%s", got)
+	}
+}
+
+// TestDropInNeedsAList: runtimes read drop-ins only for a .conflist
+// primary (libcni's NetworkConfFromFile; a single-plugin .conf is read by
+// ConfFromFile, which has no drop-ins). Drop-in mode over a .conf must not
+// report an install that no runtime would load: it fails, saying why, and
+// writes nothing. Over a .conflist, libcni loads our entry from the
+// drop-in, last in the list.
+func TestDropInNeedsAList(t *testing.T) {
+	conf, _ := os.ReadFile(filepath.Join(corpusDir, "10-bridge.conf"))
+	n := newNode(t)
+	n.put(t, "10-bridge.conf", conf, 0o644)
+	before := snapshot(t, n.conf)
+	_, err := n.installer(t, DropIn, "").Install()
+	if err == nil || !strings.Contains(err.Error(), ".conflist") {
+		t.Errorf("drop-in over a single-plugin .conf: %v, want an error saying runtimes read drop-ins only for a .conflist", err)
+	}
+	sameTree(t, "after a refused drop-in install", before, snapshot(t, n.conf))
+
+	list, _ := os.ReadFile(filepath.Join(corpusDir, "10-calico.conflist"))
+	n = newNode(t)
+	n.put(t, "10-calico.conflist", list, 0o644)
+	if _, err := n.installer(t, DropIn, "").Install(); err != nil {
+		t.Fatal(err)
+	}
+	loaded, err := libcni.NetworkConfFromFile(filepath.Join(n.conf, "10-calico.conflist"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if last := loaded.Plugins[len(loaded.Plugins)-1]; last.Network.Type != templates.PluginType {
+		t.Errorf("libcni loads %s last, want our drop-in's %s", last.Network.Type, templates.PluginType)
 	}
 }
