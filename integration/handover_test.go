@@ -64,6 +64,13 @@ type istioPods struct {
 // through Istio's plugin, each with a process in its pod cgroup (what a
 // /proc scan finds of a running pod) and its IP in its status.
 func enrolWithIstio(t testing.TB, kube *kubetest.Server, subnet, count int, nftables bool) *istioPods {
+	return enrolWithIstioOwned(t, kube, subnet, count, nftables, false)
+}
+
+// enrolWithIstioOwned is enrolWithIstio with istio-cni in its owned-config
+// mode (ISTIO_OWNED_CNI_CONFIG: 02-istio-cni.conflist, a copy of the
+// primary with its plugin, loaded first) when owned is set.
+func enrolWithIstioOwned(t testing.TB, kube *kubetest.Server, subnet, count int, nftables, owned bool) *istioPods {
 	ctx := context.Background()
 	h := &istioPods{n: newCNINode(t, subnet), kube: kube, node: fmt.Sprintf("handover-%d", subnet)}
 	h.n.wide = count > 250
@@ -95,8 +102,11 @@ func enrolWithIstio(t testing.TB, kube *kubetest.Server, subnet, count int, nfta
 	}
 	api := istiotest.Relay(t, h.n.node, strings.TrimPrefix(kube.Config.Host, "https://"))
 	h.agent = istiotest.Start(t, istiotest.Options{Node: h.n.node, ConfDir: h.confDir, BinDir: istioBin, APIHost: api,
-		Token: kube.Token, NodeName: h.node, Nftables: nftables})
+		Token: kube.Token, NodeName: h.node, Nftables: nftables, OwnedConfig: owned})
 	h.z = ztunneltest.Connect(t, h.agent.ZtunnelSocket)
+	if owned {
+		conf = filepath.Join(h.confDir, "02-istio-cni.conflist")
+	}
 	withIstio, err := libcni.ConfListFromFile(conf)
 	if err != nil {
 		t.Fatal(err)
@@ -143,13 +153,49 @@ func TestHandoverFromIstio(t *testing.T) {
 	istiotest.Bins(t)
 	kube := kubetest.Start(t)
 	istioNamespaces(t, kube)
-	for i, backend := range []string{"iptables", "nftables"} {
-		t.Run(backend, func(t *testing.T) { testHandover(t, kube, 84+i, 20, backend == "nftables") })
+	for i, c := range []handover{
+		{nftables: false, keep: true, mode: install.Chained},
+		{nftables: true, keep: false, mode: install.Chained},
+		// The chart's default mode, with Istio's agent still running when
+		// nftcni's starts (a DaemonSet rollout's order): nftcni waits for
+		// the ZDS socket, Istio's agent leaves as an upgrade would.
+		{nftables: false, keep: true, mode: install.Owned, istioRunning: true},
+		{nftables: true, keep: false, mode: install.Owned, istioRunning: true},
+		// istio-cni in its own owned-config mode, leaving its file.
+		{nftables: true, keep: true, mode: install.Owned, istioOwned: true},
+	} {
+		t.Run(c.String(), func(t *testing.T) { testHandover(t, kube, 84+i, 20, c) })
 	}
 }
 
-func testHandover(t *testing.T, kube *kubetest.Server, subnet, count int, nftables bool) {
-	h := enrolWithIstio(t, kube, subnet, count, nftables)
+// handover is one way of moving a node from istio-cni to nftcni.
+type handover struct {
+	nftables bool         // Istio's backend: native nftables, else iptables
+	keep     bool         // Istio's agent leaves its node state (an upgrade's stop)
+	mode     install.Mode // nftcni's install mode
+	// istioRunning: nftcni's agent starts while Istio's still serves
+	// ztunnel; Istio's stops a moment later.
+	istioRunning bool
+	istioOwned   bool // istio-cni writes 02-istio-cni.conflist
+}
+
+func (c handover) String() string {
+	s := map[bool]string{false: "iptables", true: "nftables"}[c.nftables] + "/" + string(c.mode)
+	if c.keep {
+		s += "/istio-keeps"
+	}
+	if c.istioRunning {
+		s += "/istio-running"
+	}
+	if c.istioOwned {
+		s += "/istio-owned"
+	}
+	return s
+}
+
+func testHandover(t *testing.T, kube *kubetest.Server, subnet, count int, c handover) {
+	nftables := c.nftables
+	h := enrolWithIstioOwned(t, kube, subnet, count, nftables, c.istioOwned)
 	gw := h.n.gateway()
 	real := h.n.node.Listen(t, gw+":9080", false)
 	var escaped atomic.Int64
@@ -173,14 +219,26 @@ func testHandover(t *testing.T, kube *kubetest.Server, subnet, count int, nftabl
 	// node state for nftcni to take over; without it (nftables run) it
 	// removes its conflist entry, binary and host rules. Its in-pod rules
 	// stay either way, and ztunnel keeps serving the pods.
-	if !nftables {
+	if c.keep {
 		keepIstioOnStop(t, kube)
 	}
-	h.agent.Stop()
-	time.Sleep(200 * time.Millisecond)
-	left, _ := os.ReadFile(filepath.Join(h.confDir, "10-bridge.conflist"))
-	if got := strings.Contains(string(left), `"istio-cni"`); got != !nftables {
-		t.Fatalf("after Istio's agent stopped its conflist entry is there: %v, want %v", got, !nftables)
+	istioConf := "10-bridge.conflist"
+	if c.istioOwned {
+		istioConf = "02-istio-cni.conflist"
+	}
+	stopIstio := func() {
+		h.agent.Stop()
+		if c.istioRunning {
+			return // nftcni, waiting for the socket, takes over at once
+		}
+		time.Sleep(200 * time.Millisecond)
+		left, _ := os.ReadFile(filepath.Join(h.confDir, istioConf))
+		if got := strings.Contains(string(left), `"istio-cni"`); got != c.keep {
+			t.Errorf("after Istio's agent stopped its conflist entry in %s is there: %v, want %v", istioConf, got, c.keep)
+		}
+	}
+	if !c.istioRunning {
+		stopIstio()
 	}
 
 	// nftcni starts on the node, serving ztunnel on the same socket path.
@@ -188,16 +246,31 @@ func testHandover(t *testing.T, kube *kubetest.Server, subnet, count int, nftabl
 	// it is, Istio's rules and all.
 	plantForeignTable(t, h.pods[0])
 	refusedBefore := nftRuleset(t, h.pods[0])
+	if c.istioRunning {
+		time.AfterFunc(time.Second, stopIstio) // the rollout's other half
+	}
 	// The whole agent, installer included, as its DaemonSet runs it.
-	run, logs, took := h.runAgent(t)
+	run, logs, took := h.runAgent(t, c.mode)
 	t.Cleanup(func() {
 		if t.Failed() {
 			t.Logf("nftcni's log:\n%s", logs)
 		}
 	})
-	conf, _ := os.ReadFile(filepath.Join(h.confDir, "10-bridge.conflist"))
-	if strings.Contains(string(conf), `"istio-cni"`) || !strings.Contains(string(conf), `"nftcni"`) {
-		t.Errorf("the conflist after the handover:\n%s", conf)
+	// Nothing of Istio's left in the conf dir; ours where the mode puts it,
+	// loaded first.
+	ents, _ := os.ReadDir(h.confDir)
+	for _, e := range ents {
+		b, _ := os.ReadFile(filepath.Join(h.confDir, e.Name()))
+		if strings.Contains(string(b), `"istio-cni"`) {
+			t.Errorf("%s still names istio-cni after the handover:\n%s", e.Name(), b)
+		}
+	}
+	ours := "10-bridge.conflist"
+	if c.mode == install.Owned {
+		ours = install.DefaultOwnedName
+	}
+	if conf, _ := os.ReadFile(filepath.Join(h.confDir, ours)); !strings.Contains(string(conf), `"nftcni"`) || ents[0].Name() != ours {
+		t.Errorf("%s after the handover (first file in the conf dir: %s):\n%s", ours, ents[0].Name(), conf)
 	}
 	if _, err := os.Stat(filepath.Join(h.binDir, "istio-cni")); !os.IsNotExist(err) {
 		t.Errorf("Istio's plugin binary is still installed: %v", err)
@@ -229,8 +302,8 @@ func testHandover(t *testing.T, kube *kubetest.Server, subnet, count int, nftabl
 	for _, l := range loops {
 		failed += l.failed()
 	}
-	t.Logf("handover of %d pods (Istio %s backend): nftcni installed and serving in %v; captured %d -> %d, escaped %d, failed %d",
-		count, map[bool]string{false: "iptables", true: "nftables"}[nftables], took.Round(time.Millisecond), before, after, escaped.Load(), failed)
+	t.Logf("handover of %d pods (%s): nftcni installed and serving in %v; captured %d -> %d, escaped %d, failed %d",
+		count, c, took.Round(time.Millisecond), before, after, escaped.Load(), failed)
 	if escaped.Load() != 0 || failed != 0 || after <= before {
 		t.Errorf("connection loops across the handover: escaped %d, failed %d, captured %d -> %d", escaped.Load(), failed, before, after)
 	}
@@ -319,7 +392,7 @@ func (h *istioPods) agentConfig(t testing.TB, run string, log *slog.Logger) node
 // runAgent runs nftcni's whole agent on the node (node.Run: enrolment
 // side, then the installer in chained mode over the conflist Istio left),
 // and returns once the install is valid, with how long that took.
-func (h *istioPods) runAgent(t *testing.T) (string, *syncBuffer, time.Duration) {
+func (h *istioPods) runAgent(t *testing.T, mode install.Mode) (string, *syncBuffer, time.Duration) {
 	t.Helper()
 	run := t.TempDir()
 	logs := &syncBuffer{}
@@ -328,7 +401,7 @@ func (h *istioPods) runAgent(t *testing.T) (string, *syncBuffer, time.Duration) 
 	if err != nil {
 		t.Fatal(err)
 	}
-	in, err := install.New(install.Config{ConfDir: h.confDir, BinDirs: []string{h.binDir}, Mode: install.Chained, Entry: entry,
+	in, err := install.New(install.Config{ConfDir: h.confDir, BinDirs: []string{h.binDir}, Mode: mode, Entry: entry,
 		PluginBinary: filepath.Join(binDir, "nftcni"), Log: log})
 	if err != nil {
 		t.Fatal(err)

@@ -156,9 +156,11 @@ func (in *Installer) standaloneName() string {
 }
 
 // ours tells Scan which files are ours and never a primary.
+// It also skips istio-cni's own list (IstioOwnedName): a copy of the
+// primary with Istio's plugin, which goes once ours is in place.
 func (in *Installer) ours(name string) bool {
 	return name == in.ownedName() || name == in.standaloneName() ||
-		name == DefaultOwnedName || name == DefaultStandaloneName
+		name == DefaultOwnedName || name == DefaultStandaloneName || name == IstioOwnedName
 }
 
 // Install runs one pass: binaries first (a config must never name a plugin
@@ -182,6 +184,9 @@ func (in *Installer) Install() (Result, error) {
 		err = in.ensureStandalone(&res)
 	case DropIn:
 		err = in.ensureDropIn(&res)
+	}
+	if err == nil && in.cfg.Mode != Standalone {
+		err = in.takeOverFromIstio(&res)
 	}
 	return res, err
 }
@@ -368,13 +373,72 @@ func (in *Installer) ensureChained(res *Result) error {
 	}
 	if istio > 0 {
 		in.log.Info("took over from istio-cni: its conflist entry replaced by nftcni's in one write", "config", c.Path)
-		in.removeIstioBinary()
 	}
 	return nil
 }
 
 // IstioPluginType is istio-cni's plugin type in a conflist.
 const IstioPluginType = "istio-cni"
+
+// IstioOwnedName is istio-cni's own list (ISTIO_OWNED_CNI_CONFIG), which
+// sorts before ours.
+const IstioOwnedName = "02-istio-cni.conflist"
+
+// takeOverFromIstio removes what istio-cni left on the node once ours is
+// in place, so that no runtime loads Istio's plugin and none is left to
+// fail a DEL (a plugin named in a config but not installed): its own list,
+// its entry in the primary's file (chained mode removes that in the same
+// write that adds ours), then its binary once no config names it. Its
+// agent, if still running, removes these itself when it is uninstalled;
+// one that stopped for an upgrade leaves them (istio-cni's safe upgrade).
+func (in *Installer) takeOverFromIstio(res *Result) error {
+	owned := filepath.Join(in.cfg.ConfDir, IstioOwnedName)
+	if data, err := conflist.ReadFile(owned); err == nil && len(conflist.Entries(data, IstioPluginType)) > 0 {
+		if err := atomicfile.RemoveFile(owned); err != nil {
+			return fmt.Errorf("removing istio-cni's own config %s: %w", owned, err)
+		}
+		in.log.Info("took over from istio-cni: removed its own config", "path", owned)
+		res.Wrote = append(res.Wrote, owned)
+	}
+	if in.cfg.Mode != Chained && res.Primary != "" {
+		data, err := conflist.ReadFile(res.Primary)
+		if err != nil {
+			return err
+		}
+		out, n, err := conflist.RemoveEntries(data, IstioPluginType)
+		if err != nil {
+			return fmt.Errorf("removing istio-cni's entry from %s: %w", res.Primary, err)
+		}
+		if n > 0 {
+			meta, err := atomicfile.Stat(res.Primary)
+			if err != nil {
+				return err
+			}
+			if err := in.write(res.Primary, data, out, &meta, res); err != nil {
+				return err
+			}
+			in.log.Info("took over from istio-cni: removed its entry from the primary's config", "config", res.Primary)
+		}
+	}
+	if !in.istioNamed() {
+		in.removeIstioBinary()
+	}
+	return nil
+}
+
+// istioNamed says whether any config in the conf dir names istio-cni
+// (an istio-cni network Multus attaches, say): then its binary stays.
+func (in *Installer) istioNamed() bool {
+	ents, _ := os.ReadDir(in.cfg.ConfDir)
+	for _, e := range ents {
+		if e.Type().IsRegular() {
+			if data, err := conflist.ReadFile(filepath.Join(in.cfg.ConfDir, e.Name())); err == nil && len(conflist.Entries(data, IstioPluginType)) > 0 {
+				return true
+			}
+		}
+	}
+	return false
+}
 
 // removeIstioBinary removes istio-cni's plugin from the bin dirs once no
 // conflist entry names it; one not there is fine.

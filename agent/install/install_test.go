@@ -788,3 +788,62 @@ func TestDropInNeedsAList(t *testing.T) {
 		t.Errorf("libcni loads %s last, want our drop-in's %s", last.Network.Type, templates.PluginType)
 	}
 }
+
+// TestTakesOverFromIstioInEveryMode: whatever istio-cni left — its entry in
+// the primary's file, its own list 02-istio-cni.conflist (which sorts
+// before ours) and its binary — is gone once ours is in place, in chained,
+// owned and drop-in modes; the rest of the primary's bytes stay as they
+// were. A config that still names istio-cni (an Istio network of its own)
+// keeps the binary; standalone mode leaves Istio's files alone.
+func TestTakesOverFromIstioInEveryMode(t *testing.T) {
+	orig, _ := os.ReadFile(filepath.Join(corpusDir, "10-calico.conflist"))
+	istioEntry := []byte(`{"type": "istio-cni", "cni_agent_run_dir": "/var/run/istio-cni"}`)
+	withIstio, err := conflist.Insert(orig, IstioPluginType, istioEntry)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mode := range []Mode{Chained, Owned, DropIn, Standalone} {
+		t.Run(string(mode), func(t *testing.T) {
+			n := newNode(t)
+			n.put(t, "10-calico.conflist", withIstio, 0o644)
+			n.put(t, IstioOwnedName, withIstio, 0o600)
+			istioBin := filepath.Join(n.bin, IstioPluginType)
+			if err := os.WriteFile(istioBin, []byte("istio"), 0o755); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := n.installer(t, mode, "").Install(); err != nil {
+				t.Fatal(err)
+			}
+			_, ownedErr := os.Stat(filepath.Join(n.conf, IstioOwnedName))
+			_, binErr := os.Stat(istioBin)
+			primary := n.read(t, "10-calico.conflist")
+			if mode == Standalone {
+				if ownedErr != nil || binErr != nil || !bytes.Equal(primary, withIstio) {
+					t.Errorf("standalone mode touched Istio's files: %v %v", ownedErr, binErr)
+				}
+				return
+			}
+			if !os.IsNotExist(ownedErr) || !os.IsNotExist(binErr) {
+				t.Errorf("Istio's own list (%v) or binary (%v) is left", ownedErr, binErr)
+			}
+			if len(conflist.Entries(primary, IstioPluginType)) != 0 {
+				t.Errorf("istio-cni's entry is left in the primary:\n%s", primary)
+			}
+			if mode != Chained && !bytes.Equal(primary, orig) {
+				t.Errorf("the primary is not its own bytes without Istio's entry:\n%s", primary)
+			}
+		})
+	}
+	// Another config naming istio-cni keeps its binary.
+	n := newNode(t)
+	n.put(t, "10-calico.conflist", withIstio, 0o644)
+	n.put(t, "99-istio-net.conflist", []byte(`{"cniVersion":"1.0.0","name":"istio-cni","plugins":[{"type":"istio-cni"}]}`), 0o644)
+	istioBin := filepath.Join(n.bin, IstioPluginType)
+	_ = os.WriteFile(istioBin, []byte("istio"), 0o755)
+	if _, err := n.installer(t, Owned, "").Install(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(istioBin); err != nil {
+		t.Errorf("istio-cni's binary went while a config still names it: %v", err)
+	}
+}

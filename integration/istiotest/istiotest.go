@@ -56,6 +56,10 @@ type Options struct {
 	// Nftables selects Istio's native nftables backend (NATIVE_NFTABLES);
 	// false: its iptables backend (iptables-nft here).
 	Nftables bool
+	// OwnedConfig is ISTIO_OWNED_CNI_CONFIG: a conflist of Istio's own
+	// (02-istio-cni.conflist, the primary's plugins and its own) instead
+	// of patching the primary's.
+	OwnedConfig bool
 }
 
 // Agent is a running install-cni.
@@ -152,7 +156,7 @@ func Start(t testing.TB, o Options) *Agent {
 		`AMBIENT_ENABLEMENT_SELECTOR=[{"podSelector":{"matchLabels":{"istio.io/dataplane-mode":"ambient"}}},` +
 			`{"podSelector":{"matchExpressions":[{"key":"istio.io/dataplane-mode","operator":"NotIn","values":["none"]}]},` +
 			`"namespaceSelector":{"matchLabels":{"istio.io/dataplane-mode":"ambient"}}}]`,
-		fmt.Sprintf("NATIVE_NFTABLES=%v", o.Nftables)}
+		fmt.Sprintf("NATIVE_NFTABLES=%v", o.Nftables), fmt.Sprintf("ISTIO_OWNED_CNI_CONFIG=%v", o.OwnedConfig)}
 	cmd.Stdout, cmd.Stderr = log, log
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
