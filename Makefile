@@ -62,9 +62,11 @@ image: build
 # The live handover from istio-cni runs Istio's own agent and plugin.
 # The conformance suite's result line (Istio's rules against nftcni's) is
 # printed last.
-test: deps build cni-plugins k8s-bins containerd-bins helm istio-bins
+# The node test installs the image `make image` built, as users would.
+test: deps build image cni-plugins k8s-bins containerd-bins helm istio-bins
 	@rm -f $(BIN)/conformance.txt
 	NFTCNI_REQUIRE_CRI=1 NFTCNI_REQUIRE_ISTIO=1 NFTCNI_CONFORMANCE_REPORT=$(CURDIR)/$(BIN)/conformance.txt \
+	NFTCNI_IMAGE=$(CURDIR)/$(BIN)/nftcni-image.oci.tar NFTCNI_IMAGE_REF=$(IMAGE) \
 	  $(GO) test -count=1 -timeout 45m ./...; status=$$?; cat $(BIN)/conformance.txt 2>/dev/null; exit $$status
 
 # Debian packages the tests use, installed when missing (root only).

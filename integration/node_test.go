@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -38,8 +39,8 @@ const (
 	ztunnelImage = "localhost/ztunnel-stub:" + nodeImageTag
 )
 
-// nodeImages builds the three images from the test binaries: nftcni at the
-// Dockerfile's paths, the workload and ztunnel's stand-in.
+// nodeImages builds the test's two images from the test binaries: the
+// workload and ztunnel's stand-in (nftcni's is nftcniImage).
 func nodeImages(t *testing.T) map[string][]byte {
 	t.Helper()
 	read := func(name string) []byte {
@@ -65,12 +66,39 @@ func nodeImages(t *testing.T) map[string][]byte {
 		return b
 	}
 	return map[string][]byte{
-		"nftcni": archive("localhost/nftcni/nftcni:"+nodeImageTag, []ociimage.File{
-			{Path: "/opt/nftcni/bin/nftcni", Data: read("nftcni")}, {Path: "/opt/nftcni/bin/nftcni-agent", Data: read("nftcni-agent")},
-		}, []string{"/opt/nftcni/bin/nftcni-agent"}, []string{"run"}),
 		"nodeapp":      archive(appImage, []ociimage.File{{Path: "/nodeapp", Data: read("nodeapp")}}, []string{"/nodeapp"}, []string{"serve"}),
 		"ztunnel-stub": archive(ztunnelImage, []ociimage.File{{Path: "/ztunnel-stub", Data: read("ztunnel-stub")}}, []string{"/ztunnel-stub"}, nil),
 	}
+}
+
+// nftcniImage is the image users install: the archive `make image` built
+// ($NFTCNI_IMAGE, named $NFTCNI_IMAGE_REF; make test passes both), or, run
+// without make, the same program (hack/mkimage) on the test's binaries. It
+// returns the archive and the chart values that name it.
+func nftcniImage(t *testing.T) ([]byte, []string) {
+	t.Helper()
+	path, ref := os.Getenv("NFTCNI_IMAGE"), os.Getenv("NFTCNI_IMAGE_REF")
+	if path == "" {
+		path, ref = filepath.Join(t.TempDir(), "nftcni-image.oci.tar"), "localhost/nftcni/nftcni:"+nodeImageTag
+		if out, err := exec.Command("go", "run", "../hack/mkimage", "-bin", binDir, "-tag", ref, "-out", path).CombinedOutput(); err != nil {
+			t.Fatalf("hack/mkimage: %v\n%s", err, out)
+		}
+	}
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatalf("the image archive (make image): %v", err)
+	}
+	repo, tag, ok := strings.Cut(ref[strings.LastIndexByte(ref, '/')+1:], ":")
+	hub := ref[:strings.LastIndexByte(ref, '/')]
+	if !ok || repo != "nftcni" {
+		t.Fatalf("image reference %q: want <hub>/nftcni:<tag>, as the chart names it", ref)
+	}
+	digest, err := ociimage.ArchiveDigest(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("installing the image %s (%s, manifest %s)", ref, path, digest)
+	return b, []string{"--set", "hub=" + hub, "--set", "tag=" + tag}
 }
 
 func TestNode(t *testing.T) {
@@ -85,6 +113,8 @@ func testNode(t *testing.T, gen containerdtest.Generation) {
 	for name, archive := range nodeImages(t) {
 		n.Import(name, archive)
 	}
+	image, imageValues := nftcniImage(t)
+	n.Import("nftcni", image)
 	// A new node carries Istio's not-ready taint (as kubelet
 	// --register-with-taints sets it): the real scheduler must place the
 	// agent on it, and nothing else until the agent removes it.
@@ -99,8 +129,8 @@ func testNode(t *testing.T, gen containerdtest.Generation) {
 		t.Fatal(err)
 	}
 	chart, _ := filepath.Abs("../deploy/charts/nftcni")
-	values := []string{"--set", "hub=localhost/nftcni", "--set", "tag=" + nodeImageTag, "--set", "pullPolicy=Never",
-		"--set", "cniBinDir=" + n.BinDir, "--set", "cniConfDir=" + n.ConfDir}
+	values := append(imageValues, "--set", "pullPolicy=Never",
+		"--set", "cniBinDir="+n.BinDir, "--set", "cniConfDir="+n.ConfDir)
 	if out, err := n.Helm(append([]string{"install", "nftcni", chart, "--namespace", "kube-system", "--wait", "--timeout", "120s"}, values...)...); err != nil {
 		t.Fatalf("helm install: %v\n%s", err, out)
 	}

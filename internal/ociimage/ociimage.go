@@ -7,6 +7,8 @@ package ociimage
 import (
 	"archive/tar"
 	"bytes"
+	"encoding/json"
+	"fmt"
 	"io"
 	"os"
 	"path"
@@ -145,4 +147,28 @@ func WriteArchive(img v1.Image, tag, out string) error {
 		return err
 	}
 	return os.Rename(tmp, out)
+}
+
+// ArchiveDigest is the manifest digest of the one image in an OCI archive
+// WriteArchive wrote (its index.json's first manifest).
+func ArchiveDigest(archive []byte) (string, error) {
+	tr := tar.NewReader(bytes.NewReader(archive))
+	for {
+		h, err := tr.Next()
+		if err != nil {
+			return "", fmt.Errorf("no index.json in the archive: %w", err)
+		}
+		if h.Name != "index.json" {
+			continue
+		}
+		var idx struct {
+			Manifests []struct {
+				Digest string `json:"digest"`
+			} `json:"manifests"`
+		}
+		if err := json.NewDecoder(tr).Decode(&idx); err != nil || len(idx.Manifests) == 0 {
+			return "", fmt.Errorf("index.json names no manifest: %v", err)
+		}
+		return idx.Manifests[0].Digest, nil
+	}
 }
