@@ -7,7 +7,7 @@ VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -s -w -X main.version=$(VERSION)
 export CGO_ENABLED := 0
 
-.PHONY: all build image test unit bench demo lint fuzz clean deps cni-plugins k8s-bins containerd-bins helm istio-bins docs manifest
+.PHONY: all build image test unit bench demo lint fuzz clean deps cni-plugins k8s-bins containerd-bins helm istio-bins multus-bins docs manifest
 
 # The reference CNI plugins and cnitool, built from the Go module proxy once
 # and cached: the end-to-end tests chain nftcni after them.
@@ -36,6 +36,10 @@ export NFTCNI_HELM := $(HELM)
 # anchor figures were measured at.
 ISTIO_BIN := $(CACHE)/istio-eed52ebb66ad
 export NFTCNI_ISTIO_BIN := $(ISTIO_BIN)
+# Multus's thin plugin, for the node test of standalone mode (OpenShift's
+# shape), pinned in hack/multus-bins.sh (about a minute cold).
+MULTUS_BIN := $(CACHE)/multus-v4.2.2
+export NFTCNI_MULTUS_BIN := $(MULTUS_BIN)
 
 all: build
 
@@ -63,7 +67,7 @@ image: build
 # The conformance suite's result line (Istio's rules against nftcni's) is
 # printed last.
 # The node test installs the image `make image` built, as users would.
-test: deps build image cni-plugins k8s-bins containerd-bins helm istio-bins
+test: deps build image cni-plugins k8s-bins containerd-bins helm istio-bins multus-bins
 	@rm -f $(BIN)/conformance.txt
 	NFTCNI_REQUIRE_CRI=1 NFTCNI_REQUIRE_ISTIO=1 NFTCNI_CONFORMANCE_REPORT=$(CURDIR)/$(BIN)/conformance.txt \
 	NFTCNI_IMAGE=$(CURDIR)/$(BIN)/nftcni-image.oci.tar NFTCNI_IMAGE_REF=$(IMAGE) \
@@ -82,6 +86,10 @@ docs: manifest
 	$(GO) run ./agent/cmd/nftcni-agent reference > docs/config-reference.md
 manifest: helm
 	$(HELM) template nftcni deploy/charts/nftcni --namespace kube-system --kube-version 1.37.2 > deploy/nftcni.yaml
+
+multus-bins: $(MULTUS_BIN)/multus
+$(MULTUS_BIN)/multus:
+	./hack/multus-bins.sh $(MULTUS_BIN)
 
 istio-bins: $(ISTIO_BIN)/install-cni
 $(ISTIO_BIN)/install-cni:

@@ -21,6 +21,7 @@ import (
 	"k8s.io/client-go/discovery"
 	"k8s.io/client-go/discovery/cached/memory"
 	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/rest"
 	"k8s.io/client-go/restmapper"
 
 	"github.com/nftcni/nftcni/integration/kubetest"
@@ -206,14 +207,17 @@ func TestMultusNetworkAttachmentDefinitions(t *testing.T) {
 
 // installNADCRD installs the NPWG NetworkAttachmentDefinition CRD (as
 // Multus does) and waits until the API server serves it.
-func installNADCRD(t testing.TB, api *kubetest.Server) {
+func installNADCRD(t testing.TB, api *kubetest.Server) { t.Helper(); installNADCRDOn(t, api.Config) }
+
+// installNADCRDOn is installNADCRD on any API server.
+func installNADCRDOn(t testing.TB, config *rest.Config) {
 	t.Helper()
 	raw, err := os.ReadFile("testdata/npwg-network-attachment-definition-crd.yaml")
 	if err != nil {
 		t.Fatal(err)
 	}
 	objs := objects(t, raw)
-	dyn, err := dynamic.NewForConfig(api.Config)
+	dyn, err := dynamic.NewForConfig(config)
 	if err != nil {
 		t.Fatal(err)
 	}

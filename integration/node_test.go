@@ -414,9 +414,15 @@ func runApp(t *testing.T, n *nodetest.Node, ns, name string, proof bool, env ...
 // an init container that fails unless its connection is captured.
 func createApp(t *testing.T, n *nodetest.Node, ns, name string, proof bool, env ...corev1.EnvVar) {
 	t.Helper()
+	createAppAnnotated(t, n, ns, name, proof, nil, env...)
+}
+
+// createAppAnnotated is createApp with the pod's annotations.
+func createAppAnnotated(t *testing.T, n *nodetest.Node, ns, name string, proof bool, ann map[string]string, env ...corev1.EnvVar) {
+	t.Helper()
 	probe := &corev1.Probe{ProbeHandler: corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/healthz", Port: intstr.FromInt(8080)}},
 		PeriodSeconds: 1, FailureThreshold: 3}
-	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns}, Spec: corev1.PodSpec{
+	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Annotations: ann}, Spec: corev1.PodSpec{
 		NodeName: nodetest.NodeName,
 		Containers: []corev1.Container{{Name: "app", Image: appImage, ImagePullPolicy: corev1.PullNever,
 			ReadinessProbe: probe, LivenessProbe: probe, Env: env}},

@@ -129,6 +129,11 @@ func Start(t testing.TB, gen Generation, o Options) *Containerd {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// Traversable, as containerd's own dirs are on a node: a pod with a
+	// user namespace of its own mounts its rootfs as an unprivileged uid.
+	if err := os.Chmod(dir, 0o711); err != nil {
+		t.Fatal(err)
+	}
 	c := &Containerd{Gen: gen, Dir: dir, Sock: filepath.Join(dir, "containerd.sock"), t: t, sandboxes: map[string]bool{}}
 	// /run/containerd is hard-coded (shim sockets); remove it afterwards
 	// only if it is ours.
