@@ -291,13 +291,26 @@ func testNode(t *testing.T, gen containerdtest.Generation) {
 	}
 
 	// Node reboot: every process killed at once, the primary CNI rewrites
-	// its conflist before the node's services start, then everything boots.
+	// its conflist with other bytes (an MTU it did not set before) before
+	// the node's services start, then everything boots. The test holds the
+	// agent off at first: pods outside the mesh start from the policy
+	// snapshot the agent left on persistent storage, the ambient ones wait.
 	ambUID := string(pod.UID)
 	ids := map[string]string{}
 	for _, ref := range []string{"plain/app", "amb/app", "amb/during"} {
 		ids[ref] = containerID(t, n, ref)
 	}
-	n.Reboot(n.WritePrimaryConflist)
+	rewritten := strings.Replace(n.PrimaryConflist(), `"hairpinMode": true,`, `"hairpinMode": true, "mtu": 1400,`, 1)
+	n.Reboot(func() { n.WriteConflist(rewritten) })
+	down := holdRunDirLockAtBoot(t, n)
+	n.WaitFor("plain/app running again while no agent runs", 120*time.Second, func() bool {
+		p, err := n.Client.CoreV1().Pods("plain").Get(ctx, "app", metav1.GetOptions{})
+		return err == nil && podReady(p) && len(p.Status.ContainerStatuses) > 0 && p.Status.ContainerStatuses[0].ContainerID != ids["plain/app"]
+	})
+	n.WaitFor("amb/app's sandbox to fail closed while no agent runs", 60*time.Second, func() bool {
+		return sandboxFailure(n, "amb", "app", "will not start un-captured")
+	})
+	down.release()
 	waitDaemonSetPodReady(t, n, "kube-system", "k8s-app=nftcni-node")
 	waitDaemonSetPodReady(t, n, "istio-system", "app=ztunnel")
 	ips := map[string]string{}
@@ -354,6 +367,9 @@ func testNode(t *testing.T, gen containerdtest.Generation) {
 		recs = append(recs, r)
 	}
 	checkAgentNetnsFds(t, n, recs)
+	if b, _ := os.ReadFile(owned); !strings.Contains(string(b), `"mtu": 1400`) || !strings.Contains(string(b), `"nftcni"`) {
+		t.Errorf("after the reboot our own conflist does not follow the primary's new bytes:\n%s", b)
+	}
 	for _, ref := range []string{"amb/app", "amb/during"} {
 		found := false
 		for uid := range seen {
@@ -544,6 +560,28 @@ func (l *runDirLock) wait(t *testing.T, limit time.Duration) {
 	case <-time.After(limit):
 		t.Fatalf("the agent did not drop its run dir lock within %v", limit)
 	}
+}
+
+// holdRunDirLockAtBoot takes the agent's run dir lock on a node that has
+// just booted (its /run is empty), before the agent's pod can: the agent
+// exits naming the holder until release.
+func holdRunDirLockAtBoot(t *testing.T, n *nodetest.Node) *runDirLock {
+	t.Helper()
+	dir := n.Path("/run/nftcni")
+	if err := os.MkdirAll(dir, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.OpenFile(filepath.Join(dir, runlock.Name), os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+		f.Close()
+		t.Fatalf("the agent took its run dir lock before the test could, right after boot: %v", err)
+	}
+	l := &runDirLock{f: f, held: make(chan error, 1)}
+	t.Cleanup(l.release)
+	return l
 }
 
 // release lets the agent start; closing the file drops the lock.

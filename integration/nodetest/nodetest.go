@@ -150,9 +150,11 @@ func (n *Node) PrimaryConflist() string {
 
 // WritePrimaryConflist (re)writes the primary's conflist as a primary CNI's
 // installer does on its start: its own content, any chained entry gone.
-func (n *Node) WritePrimaryConflist() {
-	n.write("cni/net.d/"+ConfFile, n.PrimaryConflist())
-}
+func (n *Node) WritePrimaryConflist() { n.WriteConflist(n.PrimaryConflist()) }
+
+// WriteConflist writes doc as the primary's conflist (a primary that
+// changed its configuration).
+func (n *Node) WriteConflist(doc string) { n.write("cni/net.d/"+ConfFile, doc) }
 
 func (n *Node) writePKI() {
 	t := n.t
