@@ -153,4 +153,24 @@ func TestNodeMultus(t *testing.T) {
 		_, err := n.Client.CoreV1().Pods("amb").Get(ctx, "app", metav1.GetOptions{})
 		return err != nil
 	})
+
+	// helm uninstall takes our network out of Multus's conf dir and leaves
+	// Multus's own files as they were.
+	before := map[string][]byte{}
+	for _, f := range []string{filepath.Join(n.ConfDir, "00-multus.conf"), cluster} {
+		before[f], _ = os.ReadFile(f)
+	}
+	if out, err := n.Helm("uninstall", "nftcni", "--namespace", "kube-system", "--wait", "--timeout", "120s"); err != nil {
+		t.Fatalf("helm uninstall: %v\n%s", err, out)
+	}
+	n.WaitFor("the standalone conflist and the plugin gone after uninstall", 60*time.Second, func() bool {
+		_, confErr := os.Stat(filepath.Join(multusDir, "nftcni.conflist"))
+		_, binErr := os.Stat(filepath.Join(n.BinDir, "nftcni"))
+		return os.IsNotExist(confErr) && os.IsNotExist(binErr)
+	})
+	for f, b := range before {
+		if got, _ := os.ReadFile(f); string(got) != string(b) {
+			t.Errorf("uninstall changed %s", f)
+		}
+	}
 }
