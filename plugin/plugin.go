@@ -166,13 +166,12 @@ func sameNetns(a, b string) bool {
 
 func (c *call) pod(prev *result) *wire.Pod {
 	return &wire.Pod{
-		Namespace:   c.k8s.K8S_POD_NAMESPACE,
-		Name:        c.k8s.K8S_POD_NAME,
-		UID:         c.k8s.K8S_POD_UID,
-		Attachment:  wire.Attachment{ContainerID: c.args.ContainerID, IfName: c.args.IfName},
-		IPs:         podIPs(prev, c.args.IfName),
-		Netns:       c.args.Netns,
-		Annotations: c.conf.PodAnnotations,
+		Namespace:  c.k8s.K8S_POD_NAMESPACE,
+		Name:       c.k8s.K8S_POD_NAME,
+		UID:        c.k8s.K8S_POD_UID,
+		Attachment: wire.Attachment{ContainerID: c.args.ContainerID, IfName: c.args.IfName},
+		IPs:        podIPs(prev, c.args.IfName),
+		Netns:      c.args.Netns,
 	}
 }
 
@@ -275,7 +274,7 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 	// needs nothing. A sidecar pod's ruleset is the agent's decision like
 	// any other's: it exempts the proxy's UID and GID, which only the pod
 	// spec says (runAsUser; OpenShift assigns one that is not 1337).
-	if inj, why := wire.SidecarInjection(pod.Annotations); inj == wire.CapturesItself || inj == wire.NoProxy {
+	if inj, why := wire.SidecarInjection(c.conf.PodAnnotations); inj == wire.CapturesItself || inj == wire.NoProxy {
 		c.debug("passing through", "reason", why)
 		return c.printPrev(stdout)
 	}
@@ -288,7 +287,9 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 	}
 	if err != nil {
 		var refused *agentError
-		if errors.As(err, &refused) {
+		if errors.As(err, &refused) || errors.Is(err, wire.ErrTooLarge) {
+			// A refusal, or a failure of this side: never "the agent
+			// cannot be reached".
 			return fmt.Errorf("nftcni: pod %s: %w", pod.Key(), err)
 		}
 		return c.agentDown(pod, err, stdout)
@@ -412,7 +413,7 @@ func (c *call) wouldEnrol(pod *wire.Pod) (bool, string, error) {
 // agentDown applies the failure policy when the agent could not be asked.
 func (c *call) agentDown(pod *wire.Pod, cause error, stdout io.Writer) error {
 	sock := c.conf.SocketPath()
-	if inj, why := wire.SidecarInjection(pod.Annotations); inj == wire.Sidecar {
+	if inj, why := wire.SidecarInjection(c.conf.PodAnnotations); inj == wire.Sidecar {
 		return newError(ErrTryAgainLater,
 			fmt.Sprintf("nftcni: pod %s has an Istio sidecar (%s): its ruleset must exempt the proxy's UID and GID, which only the pod spec says "+
 				"and only the agent reads, and the nftcni agent at %s cannot be reached: %v; the pod will not start with a guessed UID, and the runtime will retry",
@@ -523,7 +524,7 @@ func (p *Plugin) Check(args *Args) (err error) {
 	}
 	// Only a pod that should have rules needs the agent to check them (a
 	// sidecar pod's depend on its spec, which the agent has).
-	inj, _ := wire.SidecarInjection(pod.Annotations)
+	inj, _ := wire.SidecarInjection(c.conf.PodAnnotations)
 	if inj == wire.CapturesItself || inj == wire.NoProxy {
 		return nil
 	}

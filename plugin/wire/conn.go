@@ -134,7 +134,7 @@ func fdsOf(f *os.File) []int {
 // attached (none when empty).
 func (c *Conn) SendBytes(b []byte, fds []int, kind Kind) error {
 	if len(b) > MaxMessage {
-		return fmt.Errorf("%s message of %d bytes exceeds the %d-byte limit", kind, len(b), MaxMessage)
+		return fmt.Errorf("%w: %s message of %d bytes, over the %d-byte limit", ErrTooLarge, kind, len(b), MaxMessage)
 	}
 	if len(fds) > maxFDs {
 		return fmt.Errorf("%s message with %d descriptors exceeds the limit of %d", kind, len(fds), maxFDs)

@@ -46,20 +46,6 @@ func AppendAdd(b []byte, p *Pod) []byte {
 		b = append(b, `,"netns":`...)
 		b = gjson.AppendJSONString(b, p.Netns)
 	}
-	if p.Annotations != nil {
-		b = append(b, `,"annotations":{`...)
-		first := true
-		for k, v := range p.Annotations {
-			if !first {
-				b = append(b, ',')
-			}
-			first = false
-			b = gjson.AppendJSONString(b, k)
-			b = append(b, ':')
-			b = gjson.AppendJSONString(b, v)
-		}
-		b = append(b, '}')
-	}
 	return append(b, "}}"...)
 }
 

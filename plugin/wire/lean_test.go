@@ -18,8 +18,8 @@ func TestAppendAddDecodes(t *testing.T) {
 		{Namespace: "ns", Name: "p", Attachment: Attachment{ContainerID: "c", IfName: "eth0"}},
 		{Namespace: "n\"s", Name: "p\\q\u00e9\u2028", UID: "u-1", Attachment: Attachment{ContainerID: "c1", IfName: "net1"},
 			IPs:   []string{"10.0.0.5/24", "fd00::5/64"},
-			Netns: "/var/run/netns/cni-1", Annotations: map[string]string{"sidecar.istio.io/status": `{"containers":["istio-proxy"]}`, "a": "\x01"}},
-		{Namespace: "ns", Name: "p", Attachment: Attachment{ContainerID: "c", IfName: "eth0"}, Annotations: map[string]string{}},
+			Netns: "/var/run/netns/cni-1"},
+		{Namespace: "ns", Name: "p", Attachment: Attachment{ContainerID: "c", IfName: "eth0"}},
 	} {
 		b := AppendAdd(nil, p)
 		m, err := Decode(b)

@@ -144,9 +144,8 @@ type Pod struct {
 	// Netns is CNI_NETNS: the agent keeps it to find the netns again after
 	// its own restart (it uses the descriptor, not the path, otherwise).
 	Netns string `json:"netns,omitempty"`
-	// Annotations came from the runtime (io.kubernetes.cri.pod-annotations);
-	// nil when it passed none.
-	Annotations map[string]string `json:"annotations,omitempty"`
+	// No annotations: the agent decides from its own pod store, and a pod
+	// may carry 256 KiB of them, four times a message's limit.
 }
 
 // Key names the pod as Kubernetes does.

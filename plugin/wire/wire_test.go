@@ -14,8 +14,7 @@ import (
 func TestRoundTrip(t *testing.T) {
 	msgs := []*Message{
 		{Kind: KindAdd, Pod: &Pod{Namespace: "ns", Name: "p", UID: "u", Attachment: Attachment{ContainerID: "c", IfName: "eth0"},
-			IPs:         []string{"10.0.0.5/24", "fd00::5/64"},
-			Annotations: map[string]string{"a": "b"}}},
+			IPs: []string{"10.0.0.5/24", "fd00::5/64"}}},
 		{Kind: KindDecision, Decision: &Verdict{Mode: ModeAmbient, Reason: "r"},
 			Batch: &nlsend.Batch{Tables: []byte{1, 2, 3}, Replace: []byte{4}, Routes: []byte{5, 6}}},
 		{Kind: KindDecision, Decision: &Verdict{Mode: ModeSidecar},
