@@ -41,6 +41,9 @@ type Batch struct {
 	source *Ruleset
 }
 
+// Size is the batch's length in bytes, all its parts.
+func (b *Batch) Size() int { return len(b.Tables) + len(b.Replace) + len(b.Routes) }
+
 // Program writes b into the netns behind fd (nlsend.Program).
 func Program(fd int, b *Batch) error { return nlsend.Program(fd, &b.Batch) }
 

@@ -299,7 +299,10 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 		return c.printPrev(stdout)
 	}
 	t := &wire.Timings{Decided: c.since()}
-	perr := program(netns, r.Batch, socks)
+	var perr error
+	if !r.Programmed { // else the agent wrote it itself (too large for a message)
+		perr = program(netns, r.Batch, socks)
+	}
 	t.Programmed = c.since()
 	errText := ""
 	if perr != nil {

@@ -131,8 +131,22 @@ func (e *Enroller) Add(ctx context.Context, wp *wire.Pod, netns *os.File, plugin
 	defer p.mu.Unlock()
 	var t *wire.Timings
 	start := time.Now()
+	decide := func(context.Context) error { return plugin.Decide(d.Verdict(), batch) }
+	if batch.Size() > wire.MaxMessage-decisionRoom {
+		// Too large for one message (a sidecar excluding thousands of
+		// ranges): the agent writes it through the pod's netns it holds, and
+		// the plugin gets the decision alone.
+		decide = func(context.Context) error {
+			if err := nft.Program(int(p.netns.Fd()), batch); err != nil {
+				return fmt.Errorf("programming its %s ruleset of %d bytes (too large for the plugin's message): %w", d.Mode, batch.Size(), err)
+			}
+			v := d.Verdict()
+			v.Programmed = true
+			return plugin.Decide(v, nil)
+		}
+	}
 	err = e.enrol(ctx, p, d, how{
-		start: func(context.Context) error { return plugin.Decide(d.Verdict(), batch) },
+		start: decide,
 		ready: plugin.Ready,
 		rules: func(context.Context) (err error) { t, err = plugin.Outcome(); return err }})
 	if err != nil {
@@ -146,6 +160,10 @@ func (e *Enroller) Add(ctx context.Context, wp *wire.Pod, netns *os.File, plugin
 	e.log.Info("pod enrolled", args...)
 	return nil
 }
+
+// decisionRoom is what a decision message holds besides its batch: the
+// JSON verdict and the batch's lengths.
+const decisionRoom = 1024
 
 // Del is the pod's DEL: the rules go through netns, the descriptor the
 // plugin hands over while the netns exists (whether this agent tracks the

@@ -344,6 +344,15 @@ func talk(s int, msgs []byte, accept func(typ uint16, errno unix.Errno) bool) er
 	if err != nil {
 		return err
 	}
+	if len(msgs) > defaultSndbuf/2 {
+		// A batch larger than the socket's send buffer (a ruleset with
+		// thousands of ranges) goes in one datagram all the same, as nft
+		// sends it: the buffer is raised to fit (SO_SNDBUFFORCE, root).
+		// The kernel doubles what it is given for its own bookkeeping.
+		if err := unix.SetsockoptInt(s, unix.SOL_SOCKET, unix.SO_SNDBUFFORCE, len(msgs)); err != nil {
+			return fmt.Errorf("raising the netlink send buffer to %d bytes: %w", len(msgs), err)
+		}
+	}
 	if err := unix.Sendto(s, msgs, 0, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
 		return fmt.Errorf("sendto: %w", err)
 	}
@@ -387,6 +396,10 @@ func talk(s int, msgs []byte, accept func(typ uint16, errno unix.Errno) bool) er
 		}
 	}
 }
+
+// defaultSndbuf is the kernel's default socket send buffer
+// (net.core.wmem_default); batches under half of it need no raise.
+const defaultSndbuf = 212992
 
 // scan reads the headers of msgs: the sequence number of the message that
 // asks for an ack, and every message's type by sequence number.

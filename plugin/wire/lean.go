@@ -85,8 +85,10 @@ type Reply struct {
 	// Mode and Reason: decision.
 	Mode   Mode
 	Reason string
-	// Batch: decision, for an enrolled pod.
-	Batch *nlsend.Batch
+	// Batch: decision, for an enrolled pod, unless Programmed (the agent
+	// wrote the ruleset itself: too large for a message).
+	Batch      *nlsend.Batch
+	Programmed bool
 }
 
 // ParseReply reads a decision, done or error message, refusing what Decode
@@ -145,7 +147,13 @@ func ParseReply(b []byte) (*Reply, error) {
 	default:
 		return nil, fmt.Errorf("decision message: unknown mode %q", r.Mode)
 	}
-	r.Batch = batch
+	r.Batch, r.Programmed = batch, d.Get("programmed").Bool()
+	if r.Programmed {
+		if batch != nil {
+			return nil, errors.New("decision message: a batch for a ruleset the agent programmed")
+		}
+		return r, nil
+	}
 	if r.Batch == nil || len(r.Batch.Tables) == 0 {
 		return nil, fmt.Errorf("decision message: %s without a batch to program", r.Mode)
 	}

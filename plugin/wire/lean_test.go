@@ -58,6 +58,8 @@ func TestParseReplyAgreesWithDecode(t *testing.T) {
 		{Kind: KindDecision, Decision: &Verdict{Mode: ModeNone, Reason: "no selector matches"}},
 		{Kind: KindDecision, Decision: &Verdict{Mode: ModeAmbient, Reason: "r"}, Batch: batch},
 		{Kind: KindDecision, Decision: &Verdict{Mode: ModeSidecar}, Batch: &nlsend.Batch{Tables: []byte{9}}},
+		// The agent programmed the ruleset itself: no batch.
+		{Kind: KindDecision, Decision: &Verdict{Mode: ModeSidecar, Programmed: true}},
 		{Kind: KindDone},
 		{Kind: KindError, Error: "pod x is not in the agent's cache"},
 	} {
@@ -71,7 +73,7 @@ func TestParseReplyAgreesWithDecode(t *testing.T) {
 		}
 		want := &Reply{Kind: m.Kind, Error: m.Error}
 		if m.Decision != nil {
-			want.Mode, want.Reason, want.Batch = m.Decision.Mode, m.Decision.Reason, m.Batch
+			want.Mode, want.Reason, want.Batch, want.Programmed = m.Decision.Mode, m.Decision.Reason, m.Batch, m.Decision.Programmed
 		}
 		if !reflect.DeepEqual(r, want) {
 			t.Errorf("ParseReply(%s) = %+v, want %+v", b, r, want)
@@ -107,7 +109,7 @@ func FuzzParseReply(f *testing.F) {
 		if r.Kind != m.Kind || r.Error != m.Error {
 			t.Fatalf("%s: ParseReply %+v, Decode %+v", b, r, m)
 		}
-		if m.Decision != nil && (r.Mode != m.Decision.Mode || r.Reason != m.Decision.Reason) {
+		if m.Decision != nil && (r.Mode != m.Decision.Mode || r.Reason != m.Decision.Reason || r.Programmed != m.Decision.Programmed) {
 			t.Fatalf("%s: decisions differ: %+v vs %+v", b, r, m.Decision)
 		}
 		if m.Batch != nil && r.Batch != nil && !bytes.Equal(r.Batch.Tables, m.Batch.Tables) {

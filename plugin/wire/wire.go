@@ -158,6 +158,10 @@ type Verdict struct {
 	Mode Mode `json:"mode"`
 	// Reason is a short human explanation, logged by both sides.
 	Reason string `json:"reason,omitempty"`
+	// Programmed: the agent wrote the ruleset itself, through the pod's
+	// netns it holds, because its batch is too large for one message (a
+	// sidecar with thousands of ranges); the plugin has nothing to program.
+	Programmed bool `json:"programmed,omitempty"`
 }
 
 // envelope is a Message as it goes on the wire: a batch is named in the
