@@ -312,6 +312,42 @@ func TestCNIStatusAndGC(t *testing.T) {
 	if got := n.enroller().Members(); len(got) != 1 || got[0].Pod.Name != "kept" {
 		t.Errorf("members after GC: %+v, want only kept", got)
 	}
+
+	// A GC while no agent runs: the plugin leaves the runtime's list, and
+	// the restarted agent releases every pod the list does not name
+	// instead of handing it to ztunnel again.
+	later := testnet.NewNS(t, "nftpod")
+	n.pod(meshNS, "later", nil)
+	lrt := runtimeConf(later, meshNS, "later", nil)
+	// Out of the runtime's cache: only the GC's list can say it is gone
+	// (libcni's GC first DELs every attachment its cache holds).
+	bridgeOnly := n.list("bridge", "1.1.0", false, false)
+	if prev, err = n.add(bridgeOnly, lrt); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n.execNftcni("ADD", "1.1.0", prev, lrt); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.del(bridgeOnly, lrt); err != nil {
+		t.Fatal(err)
+	}
+	n.stopAgent()
+	err = n.inNode(func() error {
+		return n.cni.GCNetworkList(context.Background(), lenient, &libcni.GCArgs{
+			ValidAttachments: []types.GCAttachment{{ContainerID: krt.ContainerID, IfName: "eth0"}}})
+	})
+	if err != nil {
+		t.Fatalf("GC without the agent: %v", err)
+	}
+	n.startAgent()
+	if got := n.enroller().Members(); len(got) != 1 || got[0].Pod.Name != "kept" {
+		t.Errorf("members after a GC while no agent ran: %+v, want only kept", got)
+	}
+	for _, e := range n.ztunnel.Seen() {
+		if e.UID == "uid-later" {
+			t.Errorf("ztunnel got %s for a pod the runtime's GC dropped", e.Kind)
+		}
+	}
 }
 
 // A pod that was running before the agent knew it (no ADD ever reached

@@ -133,7 +133,10 @@ func TestReleasedPodIsNotBlackHoled(t *testing.T) {
 
 // A pod's DEL while no agent runs still takes its rules away: the plugin
 // sends the removal the agent left in its policy snapshot (the plugin
-// links no nf_tables encoder of its own).
+// links no nf_tables encoder of its own). The DEL is final: the restarted
+// agent hands the pod to ztunnel no more, and its verification passes put
+// no rules back into the netns (which lives on here, as a sandbox's may
+// while the runtime tears it down).
 func TestDelWithoutTheAgentRemovesTheRules(t *testing.T) {
 	n := newAgentNode(t, 88, nil)
 	src := sourceDir(t, map[string]string{"ns.yaml": meshNamespace, "app.yaml": appPod})
@@ -158,6 +161,27 @@ func TestDelWithoutTheAgentRemovesTheRules(t *testing.T) {
 	}
 	if rules := ipRules(t, app); strings.Contains(rules, "lookup 100") {
 		t.Errorf("the connmark ip rule stayed after the DEL:\n%s", rules)
+	}
+
+	_, z = n.start(t, "--pod-source", src, "--verify-interval", "100ms")
+	time.Sleep(time.Second) // several verification passes
+	for _, e := range z.Seen() {
+		if e.UID == "uid-app" {
+			t.Errorf("the restarted agent sent ztunnel %s for the deleted pod", e.Kind)
+		}
+	}
+	if hasTable(t, app) || strings.Contains(ipRules(t, app), "lookup 100") {
+		t.Errorf("the restarted agent put the deleted pod's rules back:\n%s", ipRules(t, app))
+	}
+	// The agent knows the pod no more: a DEL the runtime repeats is quiet.
+	if err := n.del(list, rt); err != nil {
+		t.Errorf("the runtime's repeated DEL: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(n.h.run, wire.RecordsDir)); err != nil {
+		t.Fatal(err)
+	}
+	if marks, _ := filepath.Glob(filepath.Join(n.h.run, wire.RecordsDir, "*.mark")); len(marks) != 0 {
+		t.Errorf("tombstones left after the agent acted on them: %v", marks)
 	}
 }
 

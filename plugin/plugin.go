@@ -23,6 +23,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"time"
@@ -467,12 +468,29 @@ func (p *Plugin) Del(args *Args) error {
 	}
 	m := &wire.Message{Kind: wire.KindDel, Pod: c.pod(nil), Logs: c.recs.take()}
 	if _, err := c.ask(m, fds, wire.KindDone); err != nil {
-		c.warn("could not tell the agent about DEL; it reconciles on its own", "err", err)
+		c.warn("could not tell the agent about DEL; it releases the pod when it is back", "err", err)
 		if len(fds) > 0 {
 			c.removeRules(fds[0])
 		}
+		c.tombstone(m.Pod.Attachment)
 	}
 	return nil
+}
+
+// tombstone marks an attachment deleted in the agent's records dir, so that
+// a restarted agent releases it instead of restoring it (ztunnel would get
+// the deleted sandbox again, and a verification pass would put back the
+// rules this DEL removed). No records dir: the agent has recorded nothing.
+func (c *call) tombstone(a wire.Attachment) {
+	p := wire.TombstonePath(c.conf.RunDir, a)
+	fd, err := unix.Open(p, unix.O_WRONLY|unix.O_CREAT|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		if !errors.Is(err, unix.ENOENT) {
+			c.warn("could not mark the DEL for the agent", "path", p, "err", err)
+		}
+		return
+	}
+	unix.Close(fd)
 }
 
 // removeRules takes whatever pod ruleset of ours the netns holds away,
@@ -570,9 +588,43 @@ func (p *Plugin) GC(args *Args) error {
 		valid = []wire.Attachment{}
 	}
 	if _, err := c.ask(&wire.Message{Kind: wire.KindGC, Valid: valid}, nil, wire.KindDone); err != nil {
-		c.warn("GC: agent unreachable; it releases stale attachments itself when it returns", "err", err)
+		c.warn("GC: agent unreachable; it releases the attachments this GC does not list when it is back", "err", err)
+		c.leaveGC(valid)
 	}
 	return nil
+}
+
+// leaveGC leaves the runtime's list of live attachments in the agent's
+// records dir: a restarted agent releases every recorded one not in it.
+func (c *call) leaveGC(valid []wire.Attachment) {
+	dir := filepath.Join(c.conf.RunDir, wire.RecordsDir)
+	if _, err := os.Stat(dir); err != nil {
+		return // nothing recorded
+	}
+	b, err := json.Marshal(wire.GCList{Valid: valid})
+	if err == nil {
+		err = atomicWrite(filepath.Join(dir, wire.GCName), b)
+	}
+	if err != nil {
+		c.warn("could not leave the GC's list for the agent", "err", err)
+	}
+}
+
+// atomicWrite replaces path with b by a rename, never through a symlink.
+func atomicWrite(path string, b []byte) error {
+	tmp := path + ".tmp"
+	fd, err := unix.Open(tmp, unix.O_WRONLY|unix.O_CREAT|unix.O_TRUNC|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		return err
+	}
+	_, err = unix.Write(fd, b)
+	if cerr := unix.Close(fd); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = unix.Rename(tmp, path)
+	}
+	return err
 }
 
 // openNetns opens a netns file as a plain descriptor, which the caller

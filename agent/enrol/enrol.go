@@ -77,6 +77,10 @@ type Records interface {
 	Save(*records.Record) error
 	Drop(wire.Attachment) error
 	Load() ([]records.Record, []error, error)
+	// Marks are the DELs and GCs the plugin carried out while no agent
+	// ran; ClearMarks removes them once acted on.
+	Marks() (*records.Marks, error)
+	ClearMarks(*records.Marks) error
 }
 
 // Annotator records a pod's enrolment state on the pod itself

@@ -949,3 +949,46 @@ func TestCanonicalIPs(t *testing.T) {
 		t.Errorf("addrs = %v", got)
 	}
 }
+
+// A DEL the plugin carried out while no agent ran (it removed the rules
+// and left a tombstone) is final: the restarted agent releases the pod —
+// ztunnel never gets it, no verification pass puts its rules back.
+func TestDelWhileNoAgentRanIsFinal(t *testing.T) {
+	r := newRig(t)
+	r.namespace("mesh", true)
+	if err := r.addA(nil); err != nil {
+		t.Fatal(err)
+	}
+	r.e.Close()
+	r.rules.Tamper(int(r.netns["a"].Fd()), nil) // the plugin's own removal
+	if err := os.WriteFile(wire.TombstonePath(r.runDir, wire.Attachment{ContainerID: "c-a", IfName: "eth0"}), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	r.l.reset()
+	r.e = r.enroller()
+	n, err := r.e.Restore(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n.Restored != 0 || n.Gone != 1 {
+		t.Errorf("restore: %+v", n)
+	}
+	r.expectNot("zt.Track uid-a", "zt.Add uid-a")
+	if got := r.members(); len(got) != 0 {
+		t.Errorf("members %v", got)
+	}
+	if got := r.recorded(); len(got) != 0 {
+		t.Errorf("still recorded: %v", got)
+	}
+	if checked, repaired := r.e.VerifyPass(context.Background(), 1); checked != 0 || repaired != 0 {
+		t.Errorf("verify pass: checked %d repaired %d", checked, repaired)
+	}
+	if got := r.dump("a"); got != "" {
+		t.Errorf("rules put back into the deleted pod's netns:\n%s", got)
+	}
+	// The tombstone is gone with the pod: the next start has nothing to do.
+	if ents, _ := filepath.Glob(filepath.Join(r.runDir, wire.RecordsDir, "*.mark")); len(ents) != 0 {
+		t.Errorf("tombstones left: %v", ents)
+	}
+	t.Logf("calls: %s", r.l)
+}

@@ -48,6 +48,13 @@ func (e *Enroller) Restore(ctx context.Context) (Restored, error) {
 	if err != nil {
 		return n, err
 	}
+	marks, err := e.opts.Records.Marks()
+	if err != nil {
+		e.log.Warn("could not read what the plugin left while no agent ran; every recorded pod is checked as usual", "err", err)
+		if marks == nil {
+			marks = &records.Marks{}
+		}
+	}
 	for _, r := range recs {
 		d := r.Decision
 		if d == nil {
@@ -55,6 +62,16 @@ func (e *Enroller) Restore(ctx context.Context) (Restored, error) {
 		}
 		p := &pod{id: r.Pod, uid: r.UID, d: d, nsDev: r.NetnsDev, nsIno: r.NetnsIno}
 		p.mu.Lock()
+		if marks.Deleted(r.Pod.Attachment) {
+			// The runtime's DEL (or GC) ran while no agent did: the plugin
+			// removed the rules; the rest goes now, and ztunnel never sees
+			// the pod again.
+			e.log.Info("a pod was deleted while no agent ran", "pod", r.Pod.Key())
+			_ = e.release(ctx, p, releaseHow{why: "the runtime deleted it while no agent ran", rulesGone: true, forget: true})
+			p.mu.Unlock()
+			n.Gone++
+			continue
+		}
 		legacy := r.NetnsIno == 0
 		f, err := openRecorded(&r)
 		if err != nil {
@@ -79,6 +96,9 @@ func (e *Enroller) Restore(ctx context.Context) (Restored, error) {
 		}
 		p.mu.Unlock()
 		n.Restored++
+	}
+	if err := e.opts.Records.ClearMarks(marks); err != nil {
+		e.log.Warn("could not clear what the plugin left while no agent ran", "err", err)
 	}
 	return n, nil
 }

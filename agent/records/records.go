@@ -21,7 +21,7 @@ import (
 )
 
 // DirName is the records' dir under the run dir.
-const DirName = "pods"
+const DirName = wire.RecordsDir
 
 // Record is what the agent keeps on disk about one pod attachment.
 type Record struct {
@@ -118,4 +118,70 @@ func read(dir string) (recs []Record, bad []error, err error) {
 		recs = append(recs, r)
 	}
 	return recs, bad, nil
+}
+
+// Marks are what the plugin left while no agent ran: a tombstone for each
+// DEL it carried out itself, and the runtime's list of live attachments
+// from a GC (package wire).
+type Marks struct {
+	deleted map[string]bool
+	gc      map[wire.Attachment]bool // nil: no GC ran
+	files   []string                 // what to remove once acted on
+}
+
+// Deleted says whether the runtime deleted a while no agent ran.
+func (m *Marks) Deleted(a wire.Attachment) bool {
+	return m.deleted[wire.TombstoneName(a)] || (m.gc != nil && !m.gc[a])
+}
+
+// takenGC is where Marks moves the GC list before reading it, so that a
+// list the plugin leaves meanwhile is a new file, never cleared unread.
+const takenGC = wire.GCName + ".taken"
+
+// Marks reads the plugin's marks. An unreadable GC list is an error, with
+// the marks read without it: the agent releases no pod on a guess.
+func (d *Dir) Marks() (*Marks, error) {
+	m := &Marks{deleted: map[string]bool{}}
+	if err := os.Rename(filepath.Join(d.dir, wire.GCName), filepath.Join(d.dir, takenGC)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, err
+	}
+	ents, err := os.ReadDir(d.dir)
+	if err != nil {
+		return nil, err
+	}
+	for _, e := range ents {
+		if filepath.Ext(e.Name()) == ".mark" {
+			m.deleted[e.Name()] = true
+			m.files = append(m.files, e.Name())
+		}
+	}
+	b, err := os.ReadFile(filepath.Join(d.dir, takenGC))
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+	case err != nil:
+		return m, err
+	default:
+		m.files = append(m.files, takenGC)
+		var l wire.GCList
+		if err := json.Unmarshal(b, &l); err != nil {
+			return m, fmt.Errorf("the GC list the plugin left: %w", err)
+		}
+		m.gc = map[wire.Attachment]bool{}
+		for _, a := range l.Valid {
+			m.gc[a] = true
+		}
+	}
+	return m, nil
+}
+
+// ClearMarks removes the marks m read, once the agent has acted on them;
+// a mark the plugin left since stays for the next start.
+func (d *Dir) ClearMarks(m *Marks) error {
+	var errs []error
+	for _, name := range m.files {
+		if err := os.Remove(filepath.Join(d.dir, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
 }

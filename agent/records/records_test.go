@@ -116,3 +116,59 @@ func TestReadWithoutDir(t *testing.T) {
 		t.Errorf("Read of a run dir never used: %v %v %v", got, bad, err)
 	}
 }
+
+// The plugin's marks (a tombstone per DEL, the runtime's GC list) name the
+// attachments deleted while no agent ran; a mark left after they were
+// read survives the clear.
+func TestMarks(t *testing.T) {
+	run := t.TempDir()
+	d, err := Open(run)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, b, c := rec("a", wire.ModeAmbient).Pod.Attachment, rec("b", wire.ModeAmbient).Pod.Attachment, rec("c", wire.ModeAmbient).Pod.Attachment
+	m, err := d.Marks()
+	if err != nil || m.Deleted(a) {
+		t.Fatalf("no marks: deleted %v, err %v", m.Deleted(a), err)
+	}
+	if err := os.WriteFile(wire.TombstonePath(run, a), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(run, DirName, wire.GCName), []byte(`{"valid":[{"containerID":"c-a","ifname":"eth0"},{"containerID":"c-b","ifname":"eth0"}]}`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if m, err = d.Marks(); err != nil {
+		t.Fatal(err)
+	}
+	if !m.Deleted(a) || m.Deleted(b) || !m.Deleted(c) {
+		t.Errorf("deleted a %v (tombstone), b %v (listed by the GC), c %v (not listed)", m.Deleted(a), m.Deleted(b), m.Deleted(c))
+	}
+	if recs, bad, err := d.Load(); len(recs) != 0 || len(bad) != 0 || err != nil {
+		t.Errorf("marks read as records: %v %v %v", recs, bad, err)
+	}
+	// A DEL the plugin marks after the agent read the marks: kept.
+	if err := os.WriteFile(wire.TombstonePath(run, b), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.ClearMarks(m); err != nil {
+		t.Fatal(err)
+	}
+	if m, err = d.Marks(); err != nil || m.Deleted(a) || !m.Deleted(b) || m.Deleted(c) {
+		t.Errorf("after the clear: a %v, b %v, c %v, err %v", m.Deleted(a), m.Deleted(b), m.Deleted(c), err)
+	}
+
+	// A GC list that cannot be read releases nothing, and goes.
+	if err := os.WriteFile(filepath.Join(run, DirName, wire.GCName), []byte(`{"valid":`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	m, err = d.Marks()
+	if err == nil || m == nil || m.Deleted(c) || !m.Deleted(b) {
+		t.Fatalf("a torn GC list: err %v, marks %+v", err, m)
+	}
+	if err := d.ClearMarks(m); err != nil {
+		t.Fatal(err)
+	}
+	if ents, _ := os.ReadDir(filepath.Join(run, DirName)); len(ents) != 0 {
+		t.Errorf("left after the clear: %v", ents)
+	}
+}
