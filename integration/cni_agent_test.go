@@ -414,6 +414,34 @@ func TestCNIZtunnelRefusalFailsTheAdd(t *testing.T) {
 	}
 }
 
+// A ztunnel that never acks fails the ADD with an error naming ztunnel:
+// the agent stops waiting for the ack before the plugin stops waiting for
+// the agent, so the slowest party is the one the runtime reports (it used
+// to be "i/o timeout" waiting for the agent). Nothing is left behind.
+func TestCNIHungZtunnelIsNamed(t *testing.T) {
+	n := newCNINode(t, 77)
+	n.startAgent()
+	full := n.list("bridge", "1.0.0", true, false)
+	n.ztunnel.Stall("uid-hung", 6*time.Second) // past the plugin's 5 s
+	pod := testnet.NewNS(t, "nftpod")
+	n.pod(meshNS, "hung", nil)
+	rt := runtimeConf(pod, meshNS, "hung", nil)
+	_, err := n.add(full, rt)
+	if err == nil || !strings.Contains(err.Error(), "ztunnel did not ack AddWorkload uid-hung") || strings.Contains(err.Error(), "waiting for the agent") {
+		t.Fatalf("ADD with a hung ztunnel: %v, want an error naming ztunnel", err)
+	}
+	t.Logf("ADD: %v", err)
+	if hasTable(t, pod) {
+		t.Error("rules left in the pod of a failed enrolment")
+	}
+	if m := n.enroller().Members(); len(m) != 0 {
+		t.Errorf("agent holds %d pods after the failed ADD", len(m))
+	}
+	if err := n.del(full, rt); err != nil {
+		t.Errorf("DEL after the failed ADD: %v", err)
+	}
+}
+
 // OpenShift-shaped: the runtime passes the pod's annotations, and its
 // istio-proxy runs with an assigned UID (not 1337). The ruleset must exempt
 // that UID, which only the pod spec says: the app's outbound is captured,

@@ -44,7 +44,7 @@ type Plugin struct {
 }
 
 // New returns a Plugin with the production timeouts.
-func New() *Plugin { return &Plugin{DialTimeout: time.Second, Timeout: 5 * time.Second} }
+func New() *Plugin { return &Plugin{DialTimeout: time.Second, Timeout: wire.PluginTimeout} }
 
 // call is one invocation: its config, its log buffer, its agent connection.
 type call struct {
@@ -210,6 +210,7 @@ func (c *call) ask(m *wire.Message, fds []int, want wire.Kind) (*wire.Message, e
 			return nil, err
 		}
 	}
+	m.Deadline = c.agent.Deadline()
 	if err := c.agent.SendWith(m, fds); err != nil {
 		return nil, err
 	}
@@ -283,7 +284,7 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 	var r *wire.Reply
 	var socks []int
 	if err = dialErr; err == nil {
-		r, socks, err = c.askLean(wire.AppendAdd(make([]byte, 0, 1024), pod), []int{netns}, wire.KindAdd, wire.KindDecision)
+		r, socks, err = c.askLean(wire.AppendAdd(make([]byte, 0, 1024), pod, c.agent.Deadline()), []int{netns}, wire.KindAdd, wire.KindDecision)
 		defer wire.CloseAll(socks)
 	}
 	if err != nil {

@@ -61,7 +61,8 @@ type Ztunnel interface {
 	StartAdd(ctx context.Context, uid string, info zds.WorkloadInfo, netns *os.File) (wait func() error)
 	// Track remembers a pod for the next snapshot without sending it now.
 	Track(uid string, info zds.WorkloadInfo, netns *os.File)
-	Del(uid string)
+	// Del tells ztunnel to drop the pod, within ctx's deadline.
+	Del(ctx context.Context, uid string)
 	Holds(uid string) bool
 	State(uid string) string
 }
@@ -324,7 +325,9 @@ func (e *Enroller) enrol(ctx context.Context, p *pod, d *enablement.Decision, h 
 			e.removeProbe(p, "undo")
 		}
 		if ztDone && !h.restored {
-			e.ztunnelRelease(p)
+			// ztunnel acked the Add: the undo's Del is owed whatever is
+			// left of the plugin's time.
+			e.ztunnelRelease(context.WithoutCancel(ctx), p)
 		}
 		if !h.restored && !h.keepRules && p.netns != nil {
 			if rerr := e.rules.Remove(p.fd()); rerr != nil {
@@ -399,7 +402,7 @@ func (e *Enroller) release(ctx context.Context, p *pod, r releaseHow) error {
 		}
 	}
 	if ambient {
-		e.ztunnelRelease(p)
+		e.ztunnelRelease(ctx, p)
 		e.removeProbe(p, r.why)
 	}
 	if wasEnrolled && !r.keepAnnotation {
@@ -437,7 +440,7 @@ func (e *Enroller) release(ctx context.Context, p *pod, r releaseHow) error {
 // ztunnelRelease lets ztunnel go of p, unless another enrolled sandbox of
 // the same pod (a re-created one) still needs it: then ztunnel keeps the
 // pod, pointed at that sandbox's netns.
-func (e *Enroller) ztunnelRelease(p *pod) {
+func (e *Enroller) ztunnelRelease(ctx context.Context, p *pod) {
 	zt := e.opts.Ztunnel
 	if zt == nil || p.uid == "" {
 		return
@@ -446,7 +449,7 @@ func (e *Enroller) ztunnelRelease(p *pod) {
 		zt.Track(p.uid, e.workload(s), s.netns)
 		return
 	}
-	zt.Del(p.uid)
+	zt.Del(ctx, p.uid)
 }
 
 // removeProbe takes p's IPs out of the probe set, except those another

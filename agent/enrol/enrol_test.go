@@ -121,7 +121,7 @@ func (z *fakeZtunnel) Track(uid string, info zds.WorkloadInfo, netns *os.File) {
 	z.held[uid] = true
 	z.mu.Unlock()
 }
-func (z *fakeZtunnel) Del(uid string) {
+func (z *fakeZtunnel) Del(_ context.Context, uid string) {
 	z.l.add("zt.Del %s", uid)
 	z.mu.Lock()
 	delete(z.held, uid)

@@ -191,7 +191,7 @@ func (e *Enroller) Del(ctx context.Context, wp *wire.Pod, netns *os.File) error 
 		// gave it, so a pod kept without a netns (adopted, no record) is
 		// the one thing left to let go, by its real UID.
 		if zt := e.opts.Ztunnel; zt != nil && wp.UID != "" && zt.Holds(wp.UID) && !e.uidTracked(wp.UID) {
-			zt.Del(wp.UID)
+			zt.Del(ctx, wp.UID)
 		}
 		return rerr
 	}

@@ -92,12 +92,18 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	return m
 }
 
+// answerMargin is what the agent leaves of the plugin's deadline for its
+// answer to arrive and the plugin to act on it (remove the rules of a
+// failed ADD).
+const answerMargin = 500 * time.Millisecond
+
 // Server answers the plugin.
 type Server struct {
 	h       Handler
 	log     *slog.Logger
 	metrics *Metrics
-	// Timeout bounds one connection, from accept to close.
+	// Timeout bounds one connection, from accept to close; the plugin's
+	// deadline, less answerMargin, bounds the work of its message.
 	Timeout time.Duration
 	// MaxConns bounds connections served at once; more wait in the backlog.
 	MaxConns int
@@ -186,6 +192,13 @@ func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 			_ = c.Send(&wire.Message{Kind: wire.KindError, Error: err.Error()}, nil)
 		}
 		return
+	}
+	if m.Deadline != 0 {
+		// Answer before the plugin stops waiting: whatever the agent waits
+		// on (ztunnel's ack) gives up first and is named in the answer.
+		var cancelPlugin context.CancelFunc
+		ctx, cancelPlugin = context.WithDeadline(ctx, time.Unix(0, m.Deadline).Add(-answerMargin))
+		defer cancelPlugin()
 	}
 	var reply *wire.Message
 	switch m.Kind {

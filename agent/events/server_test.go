@@ -64,6 +64,8 @@ type fake struct {
 	agentErr error
 	deleted  []string
 	gc       [][]wire.Attachment
+	// delDeadline is the deadline of the last Del's context.
+	delDeadline time.Time
 }
 
 var testBatch = &nft.Batch{Batch: nlsend.Batch{Tables: []byte("batch")}}
@@ -85,10 +87,11 @@ func (f *fake) Add(_ context.Context, _ *wire.Pod, _ *os.File, plugin Plugin) er
 	f.mu.Unlock()
 	return errors.Join(err, f.agentErr)
 }
-func (f *fake) Del(_ context.Context, p *wire.Pod, _ *os.File) error {
+func (f *fake) Del(ctx context.Context, p *wire.Pod, _ *os.File) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.deleted = append(f.deleted, p.Key())
+	f.delDeadline, _ = ctx.Deadline()
 	return nil
 }
 func (f *fake) Check(context.Context, *wire.Pod, *os.File) error { return nil }
@@ -466,5 +469,28 @@ func TestInspectAnswersWhatTheAgentKnows(t *testing.T) {
 	}
 	if m, _, err := c.Recv(); err != nil || m.Kind != wire.KindDone || m.Inspect == nil || m.Inspect.ZDS != "zds state of uid-1" {
 		t.Fatalf("inspect: %+v %v", m, err)
+	}
+}
+
+// The agent's work for a message ends before the plugin stops waiting:
+// the handler's context expires a margin before the plugin's deadline,
+// however long the server would give the connection.
+func TestHandlerAnswersBeforeThePluginsDeadline(t *testing.T) {
+	f := &fake{}
+	hs := serve(t, f, "")
+	hs.srv.Timeout = time.Minute
+	c, _ := hs.dial(t)
+	plugin := time.Now().Add(2 * time.Second)
+	if err := c.Send(&wire.Message{Kind: wire.KindDel, Pod: pod(), Deadline: plugin.UnixNano()}, nil); err != nil {
+		t.Fatal(err)
+	}
+	if m, _, err := c.Recv(); err != nil || m.Kind != wire.KindDone {
+		t.Fatalf("answer: %+v %v", m, err)
+	}
+	f.mu.Lock()
+	got := f.delDeadline
+	f.mu.Unlock()
+	if got.IsZero() || !got.Before(plugin) || got.Before(plugin.Add(-time.Second)) {
+		t.Errorf("the handler's deadline is %v, the plugin's %v: want it shortly before", got, plugin)
 	}
 }

@@ -31,7 +31,12 @@ var ErrNoZtunnel = errors.New("no ztunnel connection")
 const (
 	helloTimeout = 5 * time.Second // ztunnel must say hello within this
 	ackTimeout   = 5 * time.Second // and answer every request within this
-	aliveEvery   = 2 * time.Second // how often an idle connection is checked for hang-up
+	// ackMargin is what a caller with a deadline (the agent answering the
+	// plugin) keeps for itself after ztunnel's ack or its absence, so that
+	// a hung ztunnel is reported as ztunnel, before the caller's own
+	// deadline passes.
+	ackMargin  = 500 * time.Millisecond
+	aliveEvery = 2 * time.Second // how often an idle connection is checked for hang-up
 )
 
 // pod is a workload the agent has told (or will tell) ztunnel about.
@@ -350,7 +355,8 @@ func (s *Server) Add(ctx context.Context, uid string, info WorkloadInfo, netns *
 // held until then). ztunnel opens its listeners in the pod's netns before
 // it acks; the caller's own work overlaps that, with no goroutine to wake.
 func (s *Server) StartAdd(ctx context.Context, uid string, info WorkloadInfo, netns *os.File) (wait func() error) {
-	deadline := time.Now().Add(s.AckTimeout)
+	start := time.Now()
+	deadline := s.ackDeadline(ctx)
 	s.reg.RLock()
 	s.mu.Lock()
 	for len(s.conns) == 0 {
@@ -376,7 +382,7 @@ func (s *Server) StartAdd(ctx context.Context, uid string, info WorkloadInfo, ne
 			if !errors.As(err, &refused) {
 				s.drop(c, err)
 			}
-			return fmt.Errorf("ztunnel AddWorkload %s: %w", uid, err)
+			return noAck(KindAdd, uid, deadline, start, err)
 		}
 		s.Track(uid, info, netns)
 		return nil
@@ -401,6 +407,25 @@ func (s *Server) StartAdd(ctx context.Context, uid string, info WorkloadInfo, ne
 		})
 		return err
 	}
+}
+
+// ackDeadline is when a request made under ctx stops waiting for its ack:
+// AckTimeout from now, or ackMargin before ctx's deadline if that is
+// sooner.
+func (s *Server) ackDeadline(ctx context.Context) time.Time {
+	d := time.Now().Add(s.AckTimeout)
+	if cd, ok := ctx.Deadline(); ok && cd.Add(-ackMargin).Before(d) {
+		d = cd.Add(-ackMargin)
+	}
+	return d
+}
+
+// noAck names a missed ack as ztunnel's.
+func noAck(kind Kind, uid string, deadline, start time.Time, err error) error {
+	if errors.Is(err, os.ErrDeadlineExceeded) {
+		return fmt.Errorf("ztunnel did not ack %s %s within %v (hung or overloaded): %w", kind, uid, deadline.Sub(start).Round(time.Millisecond), err)
+	}
+	return fmt.Errorf("ztunnel %s %s: %w", kind, uid, err)
 }
 
 // Track remembers a pod without telling ztunnel now (agent restart: pods
@@ -433,7 +458,7 @@ func (s *Server) Holds(uid string) bool {
 // it returns, the pod's descriptor is no longer used. A pod the server
 // does not hold is not sent: ztunnel only has what the agent gave it on
 // this connection, so a Del could only name something it never had.
-func (s *Server) Del(uid string) {
+func (s *Server) Del(ctx context.Context, uid string) {
 	s.mu.Lock()
 	_, held := s.pods[uid]
 	delete(s.pods, uid)
@@ -447,17 +472,18 @@ func (s *Server) Del(uid string) {
 	}
 	// To every connection at once: a hung one costs the deadline once,
 	// not once per connection.
+	start, deadline := time.Now(), s.ackDeadline(ctx)
 	var wg sync.WaitGroup
 	for _, c := range cs {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if err := c.requestWithin(&Request{Kind: KindDel, UID: uid}, nil, s.AckTimeout); err != nil {
+			if err := c.requestWithin(&Request{Kind: KindDel, UID: uid}, nil, time.Until(deadline)); err != nil {
 				var refused *AckError
 				if !errors.As(err, &refused) {
 					s.drop(c, err)
 				}
-				s.log.Warn("ztunnel DelWorkload failed", "uid", uid, "err", err)
+				s.log.Warn("ztunnel DelWorkload failed", "uid", uid, "err", noAck(KindDel, uid, deadline, start, err))
 			}
 		}()
 	}

@@ -110,7 +110,7 @@ func TestAddAndDel(t *testing.T) {
 	if st := s.State("uid-cart"); !strings.HasPrefix(st, "handed to ztunnel") {
 		t.Errorf("state after Add: %s", st)
 	}
-	s.Del("uid-cart")
+	s.Del(context.Background(), "uid-cart")
 	z.Wait(zds.KindDel, "uid-cart", wait)
 	if z.Pod("uid-cart") != nil || len(s.Known()) != 0 {
 		t.Error("pod still known after Del")
@@ -154,7 +154,7 @@ func TestStateWithoutZtunnel(t *testing.T) {
 	s, _ := serve(t)
 	s.Track("kept", zds.WorkloadInfo{Name: "k"}, nil)
 	s.Track("withfd", zds.WorkloadInfo{Name: "w"}, openNS(t, testnet.NewNS(t, "nftzds")))
-	t.Cleanup(func() { s.Del("kept"); s.Del("withfd") }) // closes the server's dup
+	t.Cleanup(func() { s.Del(context.Background(), "kept"); s.Del(context.Background(), "withfd") }) // closes the server's dup
 	for uid, want := range map[string]string{"kept": "held without its netns", "withfd": "held with its netns; no ztunnel connected", "other": "not held"} {
 		if st := s.State(uid); !strings.HasPrefix(st, want) {
 			t.Errorf("State(%s) = %q, want %q…", uid, st, want)
@@ -199,7 +199,7 @@ func TestSnapshotAndNewestConnection(t *testing.T) {
 	if old.Pod("uid-c") != nil {
 		t.Error("Add went to the old connection")
 	}
-	s.Del("uid-a")
+	s.Del(context.Background(), "uid-a")
 	old.Wait(zds.KindDel, "uid-a", wait)
 	newer.Wait(zds.KindDel, "uid-a", wait)
 	known := s.Known()
@@ -274,7 +274,7 @@ func TestRollingUpdateTwoZtunnels(t *testing.T) {
 			t.Fatalf("%s: newest has it %v, old has it %v; want only the newest", uid, newer.Pod(uid) != nil, old.Pod(uid) != nil)
 		}
 	}
-	s.Del("uid-old-pod")
+	s.Del(context.Background(), "uid-old-pod")
 	old.Wait(zds.KindDel, "uid-old-pod", wait)
 	newer.Wait(zds.KindDel, "uid-old-pod", wait)
 }
@@ -369,7 +369,7 @@ func TestHungZtunnelDelaysNoEventBeyondTheDeadline(t *testing.T) {
 	hungZtunnel(t, path)
 	time.Sleep(50 * time.Millisecond)
 	start = time.Now()
-	s.Del("uid-a")
+	s.Del(context.Background(), "uid-a")
 	if took := time.Since(start); took > s.AckTimeout+slack {
 		t.Errorf("Del took %v with a hung ztunnel; the deadline is %v", took, s.AckTimeout)
 	}
@@ -449,8 +449,8 @@ func TestSlowSnapshotBlocksNoADDAndCatchesUp(t *testing.T) {
 			t.Errorf("ADD during another ztunnel's snapshot took %v", took)
 		}
 	}
-	s.Del("uid-s19") // not sent to the slow one yet, most likely
-	s.Del("uid-s00") // sent to it already
+	s.Del(context.Background(), "uid-s19") // not sent to the slow one yet, most likely
+	s.Del(context.Background(), "uid-s00") // sent to it already
 	select {
 	case <-slow.done:
 	case <-time.After(5 * time.Second):
@@ -483,4 +483,41 @@ func TestSlowSnapshotBlocksNoADDAndCatchesUp(t *testing.T) {
 	if g := slow.got(); g[len(g)-1] != zds.KindAdd.String()+" uid-last" {
 		t.Errorf("the ADD after registration went elsewhere: %v", g[len(g)-3:])
 	}
+}
+
+// A caller with a deadline (the agent answering the plugin) hears of a
+// hung ztunnel before its own deadline, with ztunnel named: the ack wait
+// ends a margin before the caller's deadline, not AckTimeout after the
+// request. The Del of a pod goes the same way.
+func TestAckWaitEndsBeforeTheCallersDeadline(t *testing.T) {
+	s, path := serve(t) // AckTimeout as shipped, longer than the caller's time
+	pod := testnet.NewNS(t, "nftzds")
+	f := openNS(t, pod)
+	healthy := ztunneltest.Connect(t, path)
+	healthy.Wait(zds.KindSnapshotSent, "", wait)
+	waitConnected(t, s, true)
+	if err := s.Add(context.Background(), "uid-a", zds.WorkloadInfo{Name: "a"}, f); err != nil {
+		t.Fatal(err)
+	}
+	hungZtunnel(t, path) // the newest now
+	time.Sleep(50 * time.Millisecond)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 1500*time.Millisecond)
+	defer cancel()
+	err := s.Add(ctx, "uid-b", zds.WorkloadInfo{Name: "b"}, f)
+	if ctx.Err() != nil {
+		t.Errorf("the ack wait outlived the caller's deadline (AckTimeout %v)", s.AckTimeout)
+	}
+	if err == nil || !strings.Contains(err.Error(), "ztunnel did not ack AddWorkload uid-b") {
+		t.Errorf("Add to a hung ztunnel: %v, want ztunnel named as not acking", err)
+	}
+	hungZtunnel(t, path)
+	time.Sleep(50 * time.Millisecond)
+	ctx, cancel = context.WithTimeout(context.Background(), 1500*time.Millisecond)
+	defer cancel()
+	s.Del(ctx, "uid-a")
+	if ctx.Err() != nil {
+		t.Errorf("Del outlived the caller's deadline (AckTimeout %v)", s.AckTimeout)
+	}
+	healthy.Wait(zds.KindDel, "uid-a", wait)
 }

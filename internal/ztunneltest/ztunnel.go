@@ -67,8 +67,9 @@ type Ztunnel struct {
 
 	mu     sync.Mutex
 	pods   map[string]*Pod
-	refuse map[string]string // uid -> error to ack Add with
-	seen   []Event           // every request, in order
+	refuse map[string]string        // uid -> error to ack Add with
+	stall  map[string]time.Duration // uid -> how long to hold Add's ack
+	seen   []Event                  // every request, in order
 	// bare: ack Adds without opening listeners (the test listens itself).
 	bare bool
 }
@@ -117,7 +118,7 @@ func dial(path string, retry time.Duration, bare bool) (*Ztunnel, error) {
 		return nil, fmt.Errorf("connecting to %s: %w", path, err)
 	}
 	z := &Ztunnel{uc: uc, events: make(chan Event, 1024), done: make(chan struct{}),
-		pods: map[string]*Pod{}, refuse: map[string]string{}, bare: bare}
+		pods: map[string]*Pod{}, refuse: map[string]string{}, stall: map[string]time.Duration{}, bare: bare}
 	hello, err := proto.Marshal(&zdsapi.ZdsHello{Version: zdsapi.Version_V1})
 	if err != nil {
 		uc.Close()
@@ -153,6 +154,14 @@ func (z *Ztunnel) Close() {
 func (z *Ztunnel) Refuse(uid, msg string) {
 	z.mu.Lock()
 	z.refuse[uid] = msg
+	z.mu.Unlock()
+}
+
+// Stall makes ztunnel hold the ack of uid's next Add for d, as a hung or
+// overloaded ztunnel does (it reads nothing else meanwhile).
+func (z *Ztunnel) Stall(uid string, d time.Duration) {
+	z.mu.Lock()
+	z.stall[uid] = d
 	z.mu.Unlock()
 }
 
@@ -216,7 +225,15 @@ func (z *Ztunnel) loop() {
 				}
 			}
 		}
-		ack, err := proto.Marshal(&zdsapi.WorkloadResponse{Payload: &zdsapi.WorkloadResponse_Ack{Ack: &zdsapi.Ack{Error: z.handle(buf[:n], fds)}}})
+		msg := z.handle(buf[:n], fds)
+		if r, err := decode(buf[:n]); err == nil && r.Kind == zds.KindAdd {
+			z.mu.Lock()
+			d := z.stall[r.UID]
+			delete(z.stall, r.UID)
+			z.mu.Unlock()
+			time.Sleep(d)
+		}
+		ack, err := proto.Marshal(&zdsapi.WorkloadResponse{Payload: &zdsapi.WorkloadResponse_Ack{Ack: &zdsapi.Ack{Error: msg}}})
 		if err != nil {
 			return
 		}

@@ -102,6 +102,15 @@ func (c *Conn) arm(opt int) error {
 	return unix.SetsockoptTimeval(c.fd, unix.SOL_SOCKET, opt, &tv)
 }
 
+// Deadline is the plugin's end's deadline as SetDeadline set it, in Unix
+// nanoseconds (0: none).
+func (c *Conn) Deadline() int64 {
+	if c.deadline.IsZero() {
+		return 0
+	}
+	return c.deadline.UnixNano()
+}
+
 // Close closes the connection.
 func (c *Conn) Close() error {
 	if c.uc != nil {

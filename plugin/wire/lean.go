@@ -18,8 +18,8 @@ import (
 // page faults (0.2 ms here). The bytes are the same JSON the agent decodes
 // with Decode; tests check the two codecs agree message for message.
 
-// AppendAdd appends the add message for p.
-func AppendAdd(b []byte, p *Pod) []byte {
+// AppendAdd appends the add message for p, with the plugin's deadline.
+func AppendAdd(b []byte, p *Pod, deadline int64) []byte {
 	b = append(b, `{"kind":"add","pod":{"namespace":`...)
 	b = gjson.AppendJSONString(b, p.Namespace)
 	b = append(b, `,"name":`...)
@@ -46,7 +46,12 @@ func AppendAdd(b []byte, p *Pod) []byte {
 		b = append(b, `,"netns":`...)
 		b = gjson.AppendJSONString(b, p.Netns)
 	}
-	return append(b, "}}"...)
+	b = append(b, '}')
+	if deadline != 0 {
+		b = append(b, `,"deadline":`...)
+		b = strconv.AppendInt(b, deadline, 10)
+	}
+	return append(b, '}')
 }
 
 // AppendOutcome appends an outcome message: errText "" when the batch is

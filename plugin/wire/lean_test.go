@@ -21,13 +21,15 @@ func TestAppendAddDecodes(t *testing.T) {
 			Netns: "/var/run/netns/cni-1"},
 		{Namespace: "ns", Name: "p", Attachment: Attachment{ContainerID: "c", IfName: "eth0"}},
 	} {
-		b := AppendAdd(nil, p)
-		m, err := Decode(b)
-		if err != nil {
-			t.Fatalf("%s: %v", b, err)
-		}
-		if m.Kind != KindAdd || !reflect.DeepEqual(m.Pod, p) {
-			t.Errorf("AppendAdd round trip:\n got %+v\nwant %+v\n%s", m.Pod, p, b)
+		for _, deadline := range []int64{0, 1796500000123456789} {
+			b := AppendAdd(nil, p, deadline)
+			m, err := Decode(b)
+			if err != nil {
+				t.Fatalf("%s: %v", b, err)
+			}
+			if m.Kind != KindAdd || !reflect.DeepEqual(m.Pod, p) || m.Deadline != deadline {
+				t.Errorf("AppendAdd round trip:\n got %+v (deadline %d)\nwant %+v (deadline %d)\n%s", m.Pod, m.Deadline, p, deadline, b)
+			}
 		}
 	}
 }

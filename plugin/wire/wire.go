@@ -99,7 +99,18 @@ type Message struct {
 	Timings *Timings `json:"timings,omitempty"`
 	// Inspect: the answer to inspect.
 	Inspect *Inspect `json:"inspect,omitempty"`
+	// Deadline: add and del, when the plugin stops waiting (Unix
+	// nanoseconds). The agent answers before it, so that an error names
+	// the slowest party rather than the plugin's own timeout.
+	Deadline int64 `json:"deadline,omitempty"`
 }
+
+// PluginTimeout bounds the plugin's whole conversation with the agent.
+// Timeouts nest so that every error names the slowest party: ztunnel's
+// ack (package zds) ends before the agent's answer is due, which is
+// before the plugin's deadline, which is well inside the runtime's
+// (kubelet's runtime-request-timeout, 2 min; containerd sets none).
+const PluginTimeout = 5 * time.Second
 
 // Timings are milliseconds from the plugin's start.
 type Timings struct {
