@@ -285,15 +285,15 @@ func (s *Server) watch(ctx context.Context, c *conn) {
 			return
 		case <-t.C:
 		}
-		alive := true
+		var ended error
 		select {
 		case c.turn <- struct{}{}: // idle: poll it
-			alive = c.alive()
+			ended = c.idleEnd()
 			<-c.turn
 		default: // a request is in flight and has its own deadline
 		}
-		if !alive {
-			s.drop(c, errors.New("ztunnel hung up"))
+		if ended != nil {
+			s.drop(c, ended)
 			return
 		}
 		s.mu.Lock()
@@ -635,23 +635,43 @@ func (c *conn) recv() ([]byte, []int, error) {
 	return buf[:n], fds, nil
 }
 
-// alive polls the socket without blocking: a hang-up or an unsolicited
-// message (ztunnel only ever answers) means the connection is done.
-func (c *conn) alive() bool {
+// idleEnd polls an idle connection without blocking: nil while it stays
+// idle, else what ended it — a hang-up, or a message ztunnel sent unasked
+// (it only ever answers), which is named as such with its first bytes.
+func (c *conn) idleEnd() error {
 	rc, err := c.uc.SyscallConn()
 	if err != nil {
-		return false
+		return err
 	}
-	ok := true
-	_ = rc.Control(func(fd uintptr) {
+	var ended error
+	cerr := rc.Control(func(fd uintptr) {
 		p := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN | unix.POLLRDHUP}}
 		n, err := unix.Poll(p, 0)
 		for errors.Is(err, unix.EINTR) { // the Go runtime's preemption signals interrupt poll
 			n, err = unix.Poll(p, 0)
 		}
-		if err != nil || (n > 0 && p[0].Revents != 0) {
-			ok = false
+		switch {
+		case err != nil:
+			ended = fmt.Errorf("polling the connection: %w", err)
+			return
+		case n == 0 || p[0].Revents == 0:
+			return
+		}
+		// Queued data comes before a hang-up: peek at it (MSG_TRUNC: the
+		// real length of a longer message).
+		buf := make([]byte, 16)
+		m, _, err := unix.Recvfrom(int(fd), buf, unix.MSG_PEEK|unix.MSG_DONTWAIT|unix.MSG_TRUNC)
+		switch {
+		case m > 0:
+			ended = fmt.Errorf("ztunnel sent %d bytes unasked (it only answers requests; garbage, or a protocol this agent does not speak): % x", m, buf[:min(m, len(buf))])
+		case err != nil && !errors.Is(err, unix.EAGAIN):
+			ended = fmt.Errorf("ztunnel connection failed: %w", err)
+		default:
+			ended = errors.New("ztunnel hung up")
 		}
 	})
-	return ok
+	if cerr != nil {
+		return cerr
+	}
+	return ended
 }

@@ -28,13 +28,19 @@ const wait = 3 * time.Second
 // serve runs a server; configure, if any, sets it up before it serves.
 func serve(t *testing.T, configure ...func(*zds.Server)) (*zds.Server, string) {
 	t.Helper()
+	return serveLogging(t, io.Discard, configure...)
+}
+
+// serveLogging is serve with the server's log written to w.
+func serveLogging(t *testing.T, w io.Writer, configure ...func(*zds.Server)) (*zds.Server, string) {
+	t.Helper()
 	testnet.RequireRoot(t)
 	path := filepath.Join(t.TempDir(), "ztunnel", "ztunnel.sock")
 	l, err := zds.Listen(path, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := zds.NewServer(slog.New(slog.NewTextHandler(io.Discard, nil)), nil)
+	s := zds.NewServer(slog.New(slog.NewTextHandler(w, nil)), nil)
 	for _, c := range configure {
 		c(s)
 	}
@@ -295,8 +301,8 @@ func dialHello(t *testing.T, path string) *net.UnixConn {
 }
 
 // hungZtunnel says hello, acks its snapshot, then stops reading with its
-// socket open: ztunnel#1674's shape.
-func hungZtunnel(t *testing.T, path string) {
+// socket open: ztunnel#1674's shape. It returns the connection.
+func hungZtunnel(t *testing.T, path string) *net.UnixConn {
 	t.Helper()
 	uc := dialHello(t, path)
 	buf, oob := make([]byte, zds.MaxMessage), make([]byte, 1024)
@@ -313,7 +319,7 @@ func hungZtunnel(t *testing.T, path string) {
 			t.Fatal(err)
 		}
 		if r.Kind == zds.KindSnapshotSent {
-			return
+			return uc
 		}
 	}
 }
@@ -520,4 +526,53 @@ func TestAckWaitEndsBeforeTheCallersDeadline(t *testing.T) {
 		t.Errorf("Del outlived the caller's deadline (AckTimeout %v)", s.AckTimeout)
 	}
 	healthy.Wait(zds.KindDel, "uid-a", wait)
+}
+
+// What an idle ztunnel connection ends with is named: a hang-up as a
+// hang-up, bytes ztunnel sent unasked (it only ever answers) as such.
+func TestIdleConnectionEndNamed(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		send []byte
+		want string
+	}{
+		{"hang-up", nil, "ztunnel hung up"},
+		{"garbage", []byte("\xde\xad\xbe\xef garbage"), "ztunnel sent 12 bytes unasked"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var log syncBuffer
+			s, path := serveLogging(t, &log)
+			uc := hungZtunnel(t, path) // hello and snapshot acked
+			waitConnected(t, s, true)
+			if tc.send != nil {
+				if _, err := uc.Write(tc.send); err != nil {
+					t.Fatal(err)
+				}
+			} else {
+				uc.Close()
+			}
+			waitConnected(t, s, false)
+			if got := log.String(); !strings.Contains(got, tc.want) {
+				t.Errorf("log says:\n%s\nwant %q", got, tc.want)
+			}
+		})
+	}
+}
+
+// syncBuffer is a log sink the server writes while the test reads.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.String()
 }
