@@ -7,7 +7,7 @@ VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -s -w -X main.version=$(VERSION)
 export CGO_ENABLED := 0
 
-.PHONY: all build image test unit bench demo lint fuzz clean deps cni-plugins k8s-bins containerd-bins helm istio-bins multus-bins docs manifest
+.PHONY: all build image test chaos unit bench demo lint fuzz clean deps cni-plugins k8s-bins containerd-bins helm istio-bins multus-bins docs manifest
 
 # The reference CNI plugins and cnitool, built from the Go module proxy once
 # and cached: the end-to-end tests chain nftcni after them.
@@ -67,11 +67,25 @@ image: build
 # The conformance suite's result line (Istio's rules against nftcni's) is
 # printed last.
 # The node test installs the image `make image` built, as users would.
+# The fault-injection suite runs one round of each scenario here, and its
+# table is printed after the conformance line.
 test: deps build image cni-plugins k8s-bins containerd-bins helm istio-bins multus-bins
-	@rm -f $(BIN)/conformance.txt
+	@rm -f $(BIN)/conformance.txt $(BIN)/chaos.txt
 	NFTCNI_REQUIRE_CRI=1 NFTCNI_REQUIRE_ISTIO=1 NFTCNI_CONFORMANCE_REPORT=$(CURDIR)/$(BIN)/conformance.txt \
+	NFTCNI_CHAOS_REPORT=$(CURDIR)/$(BIN)/chaos.txt \
 	NFTCNI_IMAGE=$(CURDIR)/$(BIN)/nftcni-image.oci.tar NFTCNI_IMAGE_REF=$(IMAGE) \
-	  $(GO) test -count=1 -timeout 45m ./...; status=$$?; cat $(BIN)/conformance.txt 2>/dev/null; exit $$status
+	  $(GO) test -count=1 -timeout 45m ./...; status=$$?; cat $(BIN)/conformance.txt $(BIN)/chaos.txt 2>/dev/null; exit $$status
+
+# The fault-injection suite alone (root): CHAOS_ROUNDS rounds of every
+# scenario (agent SIGKILL/SIGTERM in ADD storms and at injected points,
+# ztunnel killed, hung, speaking garbage or slow, DELs while the agent is
+# down, duplicate and reordered calls, a full run dir, oversized and
+# invalid annotations); every sandbox is checked enrolled in full or in no
+# part. The table goes to bin/chaos.txt.
+CHAOS_ROUNDS ?= 5
+chaos: deps build cni-plugins
+	NFTCNI_CHAOS_ROUNDS=$(CHAOS_ROUNDS) NFTCNI_CHAOS_REPORT=$(CURDIR)/$(BIN)/chaos.txt \
+	  $(GO) test -count=1 -timeout 30m -run 'TestChaos$$' ./integration/; status=$$?; cat $(BIN)/chaos.txt 2>/dev/null; exit $$status
 
 # Debian packages the tests use, installed when missing (root only).
 deps:

@@ -120,6 +120,8 @@ type host struct {
 	// so no test touches the machine's own.
 	netns *testnet.NS
 	orig  []byte
+	// env is added to the agent's environment.
+	env []string
 }
 
 const primary = "10-calico.conflist"
@@ -154,6 +156,7 @@ func (h *host) agent(args ...string) *exec.Cmd {
 		"CNI_CONF_DIR="+h.conf, "CNI_BIN_DIR="+h.bin, "CNI_AGENT_RUN_DIR="+h.run,
 		"ZTUNNEL_UDS_ADDRESS="+h.zsock, "HOST_NETNS="+h.netns.Path,
 		"PLUGIN_BINARY="+filepath.Join(binDir, "nftcni"), "LOG_LEVEL=info")
+	cmd.Env = append(cmd.Env, h.env...)
 	return cmd
 }
 

@@ -39,6 +39,7 @@ import (
 	"github.com/nftcni/nftcni/agent/events"
 	"github.com/nftcni/nftcni/agent/records"
 	"github.com/nftcni/nftcni/agent/zds"
+	"github.com/nftcni/nftcni/internal/faults"
 	"github.com/nftcni/nftcni/istio"
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
@@ -287,6 +288,7 @@ func (e *Enroller) enrol(ctx context.Context, p *pod, d *enablement.Decision, h 
 		if recs != nil && !h.recorded {
 			if recErr = recs.Save(e.record(p, d)); recErr == nil {
 				recDone = true
+				faults.Point(faults.Recorded)
 			}
 		}
 	}
@@ -299,8 +301,10 @@ func (e *Enroller) enrol(ctx context.Context, p *pod, d *enablement.Decision, h 
 		// listeners, against the plugin's one batch.
 		own()
 		ztAck()
+		faults.Point(faults.Acked)
 		h.ready(errors.Join(ztErr, probeErr, recErr))
 		rulesErr = h.rules(ctx)
+		faults.Point(faults.Outcome)
 	} else {
 		// A running pod (late enrolment, adoption, restart): ztunnel
 		// listens in its netns before its traffic is redirected there, so

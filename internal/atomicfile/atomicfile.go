@@ -17,6 +17,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/nftcni/nftcni/internal/faults"
 	"golang.org/x/sys/unix"
 )
 
@@ -114,6 +115,7 @@ func write(path string, data []byte, meta *FileMeta, durable bool) error {
 	if err := f.Close(); err != nil {
 		return err
 	}
+	faults.PointIn(faults.Renaming, dir)
 	if err := unix.Renameat(dfd, tmp, dfd, base); err != nil {
 		return &fs.PathError{Op: "rename", Path: path, Err: err}
 	}

@@ -69,6 +69,7 @@ type Ztunnel struct {
 	pods   map[string]*Pod
 	refuse map[string]string        // uid -> error to ack Add with
 	stall  map[string]time.Duration // uid -> how long to hold Add's ack
+	slow   time.Duration            // every ack waits this long
 	seen   []Event                  // every request, in order
 	// bare: ack Adds without opening listeners (the test listens itself).
 	bare bool
@@ -165,6 +166,37 @@ func (z *Ztunnel) Stall(uid string, d time.Duration) {
 	z.mu.Unlock()
 }
 
+// SlowAcks makes ztunnel wait d before each ack from now on, as a loaded
+// ztunnel does.
+func (z *Ztunnel) SlowAcks(d time.Duration) {
+	z.mu.Lock()
+	z.slow = d
+	z.mu.Unlock()
+}
+
+// Garbage sends the agent bytes it never asked for, which are no ZDS
+// message ztunnel would send.
+func (z *Ztunnel) Garbage() error {
+	_, err := z.uc.Write([]byte("\x00\xffnot a WorkloadResponse"))
+	return err
+}
+
+// HoldsNetns says whether ztunnel holds uid with the netns behind fd (a
+// pod's re-created sandbox has the same UID and another netns).
+func (z *Ztunnel) HoldsNetns(uid string, fd int) bool {
+	z.mu.Lock()
+	p := z.pods[uid]
+	z.mu.Unlock()
+	if p == nil {
+		return false
+	}
+	var a, b unix.Stat_t
+	if unix.Fstat(int(p.netns.Fd()), &a) != nil || unix.Fstat(fd, &b) != nil {
+		return false
+	}
+	return a.Dev == b.Dev && a.Ino == b.Ino
+}
+
 // Pod returns the workload for uid, or nil.
 func (z *Ztunnel) Pod(uid string) *Pod {
 	z.mu.Lock()
@@ -233,6 +265,10 @@ func (z *Ztunnel) loop() {
 			z.mu.Unlock()
 			time.Sleep(d)
 		}
+		z.mu.Lock()
+		slow := z.slow
+		z.mu.Unlock()
+		time.Sleep(slow)
 		ack, err := proto.Marshal(&zdsapi.WorkloadResponse{Payload: &zdsapi.WorkloadResponse_Ack{Ack: &zdsapi.Ack{Error: msg}}})
 		if err != nil {
 			return
