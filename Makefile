@@ -68,13 +68,14 @@ image: build
 # printed last.
 # The node test installs the image `make image` built, as users would.
 # The fault-injection suite runs one round of each scenario here, and its
-# table is printed after the conformance line.
+# table is printed after the conformance line, then the chained-mode
+# fighting-primary figures.
 test: deps build image cni-plugins k8s-bins containerd-bins helm istio-bins multus-bins
-	@rm -f $(BIN)/conformance.txt $(BIN)/chaos.txt
+	@rm -f $(BIN)/conformance.txt $(BIN)/chaos.txt $(BIN)/fight.txt
 	NFTCNI_REQUIRE_CRI=1 NFTCNI_REQUIRE_ISTIO=1 NFTCNI_CONFORMANCE_REPORT=$(CURDIR)/$(BIN)/conformance.txt \
-	NFTCNI_CHAOS_REPORT=$(CURDIR)/$(BIN)/chaos.txt \
+	NFTCNI_CHAOS_REPORT=$(CURDIR)/$(BIN)/chaos.txt NFTCNI_FIGHT_REPORT=$(CURDIR)/$(BIN)/fight.txt \
 	NFTCNI_IMAGE=$(CURDIR)/$(BIN)/nftcni-image.oci.tar NFTCNI_IMAGE_REF=$(IMAGE) \
-	  $(GO) test -count=1 -timeout 45m ./...; status=$$?; cat $(BIN)/conformance.txt $(BIN)/chaos.txt 2>/dev/null; exit $$status
+	  $(GO) test -count=1 -timeout 45m ./...; status=$$?; cat $(BIN)/conformance.txt $(BIN)/chaos.txt $(BIN)/fight.txt 2>/dev/null; exit $$status
 
 # The fault-injection suite alone (root): CHAOS_ROUNDS rounds of every
 # scenario (agent SIGKILL/SIGTERM in ADD storms and at injected points,

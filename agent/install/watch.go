@@ -41,12 +41,17 @@ type LoopConfig struct {
 // DefaultLoopConfig is what the agent runs with.
 func DefaultLoopConfig() LoopConfig {
 	return LoopConfig{
-		Debounce:       10 * time.Millisecond,
-		MaxDebounce:    200 * time.Millisecond,
-		Resync:         time.Minute,
-		RetryBackoff:   2 * time.Second,
-		RepairRate:     1,
-		RepairBurst:    5,
+		Debounce:     10 * time.Millisecond,
+		MaxDebounce:  200 * time.Millisecond,
+		Resync:       time.Minute,
+		RetryBackoff: 2 * time.Second,
+		// A primary that rewrites its file without our entry leaves pods
+		// starting outside the chain until the repair: a repair every
+		// 50 ms keeps that window short against a fast rewriter
+		// (TestNodeChainedFightingPrimary), and even a writer that reverts
+		// at once costs us at most 20 small rewrites a second.
+		RepairRate:     20,
+		RepairBurst:    10,
 		FightThreshold: 3,
 		FightWindow:    time.Minute,
 	}

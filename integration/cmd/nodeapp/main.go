@@ -9,7 +9,8 @@
 //
 // With LOOP=H:P, serve also connects to H:P every 20 ms and /loop reports
 // "captured=N escaped=N failed=N": greeted by ztunnel, by the real server,
-// or not at all.
+// or not at all; and "first_captured_ms=N", the time from the process's
+// start to its first captured connection (-1: none yet).
 //
 // ztunnel's stand-in greets every connection with "ztunnel:<port> …".
 package main
@@ -42,13 +43,18 @@ func main() {
 	}
 	go banner()
 	var captured, escaped, failed atomic.Int64
+	var firstCaptured atomic.Int64
+	firstCaptured.Store(-1)
+	start := time.Now()
 	if addr := os.Getenv("LOOP"); addr != "" {
 		go func() {
 			for ; ; time.Sleep(20 * time.Millisecond) {
 				line, _ := firstLine(addr)
 				switch {
 				case strings.HasPrefix(line, "ztunnel:"):
-					captured.Add(1)
+					if captured.Add(1) == 1 {
+						firstCaptured.Store(time.Since(start).Milliseconds())
+					}
 				case line != "":
 					escaped.Add(1)
 				default:
@@ -58,7 +64,7 @@ func main() {
 		}()
 	}
 	http.HandleFunc("/loop", func(w http.ResponseWriter, r *http.Request) {
-		fmt.Fprintf(w, "captured=%d escaped=%d failed=%d", captured.Load(), escaped.Load(), failed.Load())
+		fmt.Fprintf(w, "captured=%d escaped=%d failed=%d first_captured_ms=%d", captured.Load(), escaped.Load(), failed.Load(), firstCaptured.Load())
 	})
 	var mu sync.Mutex
 	lastProbe := ""

@@ -1,0 +1,185 @@
+package integration
+
+import (
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+
+	"github.com/nftcni/nftcni/integration/containerdtest"
+	"github.com/nftcni/nftcni/integration/nodetest"
+)
+
+// TestNodeChainedFightingPrimary: in chained mode, a primary CNI whose
+// installer keeps rewriting its conflist without our entry (every 500 ms,
+// atomically, as a reconcile loop would) while ambient pods are created.
+// A pod whose sandbox is made while our entry is missing runs through a
+// chain without nftcni; the agent finds it through the informer and /proc
+// and enrols it late. What must hold: every pod ends captured, the agent
+// puts its entry back after every rewrite. What the test reports (a
+// measurement, not a limit): how long each pod's app ran before its first
+// captured connection, how many connections escaped meanwhile, and how
+// long the conflist went without our entry after each rewrite.
+func TestNodeChainedFightingPrimary(t *testing.T) {
+	var gen *containerdtest.Generation
+	for _, g := range containerdtest.Generations(t) {
+		if g.V2 {
+			gen = &g
+		}
+	}
+	if gen == nil {
+		t.Skip("no containerd 2.x")
+	}
+	n := nodetest.Start(t, *gen)
+	for name, archive := range nodeImages(t) {
+		n.Import(name, archive)
+	}
+	image, imageValues := nftcniImage(t)
+	n.Import("nftcni", image)
+	chart, _ := filepath.Abs("../deploy/charts/nftcni")
+	values := append(imageValues, "--set", "pullPolicy=Never", "--set", "installMode=chained",
+		"--set", "cniBinDir="+n.BinDir, "--set", "cniConfDir="+n.ConfDir)
+	if out, err := n.Helm(append([]string{"install", "nftcni", chart, "--namespace", "kube-system", "--wait", "--timeout", "120s"}, values...)...); err != nil {
+		t.Fatalf("helm install in chained mode: %v\n%s", err, out)
+	}
+	waitDaemonSetPodReady(t, n, "kube-system", "k8s-app=nftcni-node")
+	deployZtunnel(t, n)
+	waitDaemonSetPodReady(t, n, "istio-system", "app=ztunnel")
+	mkNamespace(t, n, "amb", map[string]string{"istio.io/dataplane-mode": "ambient"})
+	mkNamespace(t, n, "plain", nil)
+	target := runApp(t, n, "plain", "target", false) + ":8081"
+	primary := filepath.Join(n.ConfDir, nodetest.ConfFile)
+	ask := func(podIP, path string) string {
+		t.Helper()
+		resp, err := n.HTTP().Get("http://" + podIP + ":8080" + path)
+		if err != nil {
+			t.Fatalf("GET %s%s: %v", podIP, path, err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return string(b)
+	}
+	var report strings.Builder
+	// Every 500 ms, every 100 ms, and at once (0: a primary that watches
+	// its file and reverts our entry the moment it appears; then nearly
+	// every pod starts outside the chain and is enrolled late).
+	for _, every := range []time.Duration{500 * time.Millisecond, 100 * time.Millisecond, 0} {
+		r := fight(t, n, primary, every, target, ask)
+		t.Log(r)
+		report.WriteString(r + "\n")
+	}
+	if p := os.Getenv("NFTCNI_FIGHT_REPORT"); p != "" {
+		if err := os.WriteFile(p, []byte(report.String()), 0o644); err != nil {
+			t.Error(err)
+		}
+	}
+}
+
+// fight rewrites the primary's conflist every interval (0: as soon as our
+// entry is back) while it creates
+// ambient pods, then waits for each pod to be captured and says how long
+// it ran un-captured and how long the conflist went without our entry.
+func fight(t *testing.T, n *nodetest.Node, primary string, every time.Duration, target string, ask func(ip, path string) string) string {
+	stop := make(chan struct{})
+	var gaps []time.Duration // after each rewrite, until our entry was back
+	var fought sync.WaitGroup
+	fought.Add(1)
+	go func() {
+		defer fought.Done()
+		tick := time.NewTicker(max(every, time.Millisecond))
+		defer tick.Stop()
+		for {
+			tmp := primary + ".fight"
+			if err := os.WriteFile(tmp, []byte(n.PrimaryConflist()), 0o644); err != nil {
+				t.Error(err)
+				return
+			}
+			if err := os.Rename(tmp, primary); err != nil {
+				t.Error(err)
+				return
+			}
+			wrote := time.Now()
+			for back := false; !back; {
+				select {
+				case <-stop:
+					return
+				case <-tick.C: // not back by the next rewrite
+					if every == 0 {
+						continue
+					}
+					gaps = append(gaps, time.Since(wrote))
+					back = true
+					continue
+				case <-time.After(2 * time.Millisecond):
+				}
+				if b, _ := os.ReadFile(primary); strings.Contains(string(b), `"nftcni"`) {
+					gaps = append(gaps, time.Since(wrote))
+					back = true
+					if every == 0 {
+						continue // revert at once
+					}
+					select {
+					case <-tick.C:
+					case <-stop:
+						return
+					}
+				}
+			}
+		}
+	}()
+	const pods = 6
+	prefix := fmt.Sprintf("f%d-", every.Milliseconds())
+	for i := range pods {
+		createApp(t, n, "amb", prefix+fmt.Sprint(i), false, corev1.EnvVar{Name: "LOOP", Value: target})
+		time.Sleep(700 * time.Millisecond)
+	}
+	ips := map[string]string{}
+	for i := range pods {
+		name := prefix + fmt.Sprint(i)
+		ips[name] = waitApp(t, n, "amb", name, false)
+	}
+	close(stop)
+	fought.Wait()
+
+	var windows []time.Duration
+	late, escaped := 0, 0
+	for i := range pods {
+		name := prefix + fmt.Sprint(i)
+		var st map[string]int
+		n.WaitFor("amb/"+name+" captured", 60*time.Second, func() bool {
+			st = loopStats(t, ask(ips[name], "/loop"))
+			return st["first_captured_ms"] >= 0
+		})
+		w := time.Duration(st["first_captured_ms"]) * time.Millisecond
+		windows = append(windows, w)
+		escaped += st["escaped"]
+		if st["escaped"]+st["failed"] > 0 {
+			late++
+		}
+		t.Logf("amb/%s: first captured connection %v after its app started; %d connections escaped before", name, w, st["escaped"])
+	}
+	n.WaitFor("our entry back in the primary's conflist", 30*time.Second, func() bool {
+		b, _ := os.ReadFile(primary)
+		return strings.Contains(string(b), `"nftcni"`)
+	})
+	slices.Sort(windows)
+	slices.Sort(gaps)
+	if len(gaps) == 0 {
+		t.Fatal("the fight made no rewrite")
+	}
+	how := "every " + every.String()
+	if every == 0 {
+		how = "the moment our entry appears"
+	}
+	return fmt.Sprintf("chained mode, primary rewriting its conflist %s: %d of %d ambient pods started outside the chain and were enrolled late; "+
+		"un-captured from app start: median %v, max %v; %d connections escaped; our entry back after median %v, max %v (%d rewrites)",
+		how, late, pods, windows[len(windows)/2], windows[len(windows)-1], escaped,
+		gaps[len(gaps)/2].Round(time.Millisecond), gaps[len(gaps)-1].Round(time.Millisecond), len(gaps))
+}
