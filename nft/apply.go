@@ -80,8 +80,15 @@ func stage(c *nftables.Conn, rs *Ruleset) error {
 		nt := c.AddTable(&nftables.Table{Name: t.Name, Family: nftables.TableFamilyINet})
 		for _, s := range t.Sets {
 			setID++ // per batch, so concurrent applies share no counter
-			if err := c.AddSet(nftSet(nt, s, setID), elements(s)); err != nil {
+			ns := nftSet(nt, s, setID)
+			chunks := elementChunks(kernelElements(s))
+			if err := c.AddSet(ns, chunks[0]); err != nil {
 				return fmt.Errorf("table %s set %s: %w", t.Name, s.Name, err)
+			}
+			for _, ch := range chunks[1:] {
+				if err := c.SetAddElements(ns, ch); err != nil {
+					return fmt.Errorf("table %s set %s: %w", t.Name, s.Name, err)
+				}
 			}
 		}
 		chains := make([]*nftables.Chain, len(t.Chains))
@@ -108,19 +115,7 @@ func Delete(fd int, rs *Ruleset) error {
 }
 
 func nftSet(t *nftables.Table, s *Set, id uint32) *nftables.Set {
-	kt := nftables.TypeIPAddr
-	if s.V6 {
-		kt = nftables.TypeIP6Addr
-	}
-	return &nftables.Set{Table: t, Name: s.Name, ID: id, KeyType: kt, Comment: s.Comment}
-}
-
-func elements(s *Set) []nftables.SetElement {
-	out := make([]nftables.SetElement, len(s.Elements))
-	for i, e := range s.Elements {
-		out[i] = nftables.SetElement{Key: e.Addr.AsSlice(), Comment: e.Comment}
-	}
-	return out
+	return &nftables.Set{Table: t, Name: s.Name, ID: id, KeyType: s.keyType(), Interval: s.Interval, Comment: s.Comment}
 }
 
 func nftChain(t *nftables.Table, ch *Chain) *nftables.Chain {

@@ -227,7 +227,12 @@ func cloneRuleset(rs *Ruleset) *Ruleset {
 	out := &Ruleset{Routes: slices.Clone(rs.Routes), LoopbackAddrs: slices.Clone(rs.LoopbackAddrs)}
 	for _, t := range rs.Tables {
 		ct := *t
-		ct.Chains = nil
+		ct.Chains, ct.Sets = nil, nil
+		for _, s := range t.Sets {
+			cs := *s
+			cs.Elements = slices.Clone(s.Elements)
+			ct.Sets = append(ct.Sets, &cs)
+		}
 		for _, c := range t.Chains {
 			cc := *c
 			cc.Rules = slices.Clone(c.Rules)

@@ -48,6 +48,14 @@ func variants(t testing.TB) []variant {
 			istio.AnnExcludeInterfaces:    "eth9",
 			istio.AnnRerouteInterfaces:    "tap0",
 		}, SidecarProxy{IPv6: true}))},
+		// Sets: contained, duplicate and host-bit prefixes, adjacent ones,
+		// ranges ending at the family's last address, lists that wrap.
+		{"sidecar-many-cidrs-and-ports", Sidecar(sidecarDefaults(t, map[string]string{
+			istio.AnnExcludeOutboundCIDRs: "10.0.0.0/8,10.1.2.3/32,10.1.0.0/16,192.168.7.9/24,192.168.7.0/24,1.1.1.1/32,1.1.1.2/32," +
+				"255.255.255.0/24,100.64.0.0/10,fd00::/8,fd00:1::/32,2001:db8::1/128,ffff::/16",
+			istio.AnnIncludeInboundPorts:  "1,2,3,4,5,6,7,8,9,10,11,12,8080,8080",
+			istio.AnnExcludeOutboundPorts: "15020,5432,53,8443",
+		}, SidecarProxy{IPv6: true}))},
 		{"sidecar-tproxy-ports", Sidecar(sidecarDefaults(t, map[string]string{istio.AnnInterceptionMode: "TPROXY", istio.AnnIncludeInboundPorts: "8080"}, SidecarProxy{}))},
 		{"host-probe", HostProbe(HostSpec{IPv6: true}, []Member{{UID: uid, IPs: []netip.Addr{netip.MustParseAddr("10.244.1.7"), netip.MustParseAddr("fd00:244::7")}}})},
 	}

@@ -2,7 +2,6 @@ package nft
 
 import (
 	"fmt"
-	"net/netip"
 	"strings"
 
 	"github.com/google/nftables"
@@ -60,13 +59,8 @@ func Live(fd int, name string, want *Ruleset) (string, error) {
 		if err != nil {
 			return "", fmt.Errorf("listing set %s %s: %w", name, s.Name, err)
 		}
-		ms := &Set{Name: s.Name, V6: s.KeyType == nftables.TypeIP6Addr, Comment: s.Comment}
-		for _, e := range els {
-			a, _ := netip.AddrFromSlice(e.Key)
-			ms.Elements = append(ms.Elements, Element{Addr: a, Comment: e.Comment})
-		}
 		sep()
-		renderSet(&b, ms)
+		renderSet(&b, setFromKernel(s, els))
 	}
 	chains, err := c.ListChainsOfTableFamily(nftables.TableFamilyINet)
 	if err != nil {

@@ -17,9 +17,11 @@
 //     carries a comment with a hash of its own text; Verify compares tables,
 //     base-chain hooks, sets and, per chain, the exact list of rule tags.
 //     A flushed, edited, reordered or extended chain shows up as drift.
-//   - Anonymous sets are avoided (one rule per port or CIDR, as Istio does),
-//     so applies share no set IDs and can run concurrently in different
-//     netns without v0.3.0's global set-ID counter being touched.
+//   - Address and port lists are named sets (CIDRs in interval sets), one
+//     rule per list rather than Istio's one rule per entry, so a pod's
+//     ruleset does not grow by a rule per CIDR. Anonymous sets are avoided:
+//     applies share no set IDs and can run concurrently in different netns
+//     without v0.3.0's global set-ID counter being touched.
 package nft
 
 import (
@@ -56,19 +58,25 @@ type Chain struct {
 // Rule is an ordered list of terms; Tag identifies its content.
 type Rule []Term
 
-// Set is a named set of addresses; each element may carry a comment (the
-// host probe set stores the pod UID there).
+// Set is a named set: of addresses (V6 says which family), of address
+// prefixes (Interval), or of transport ports (Ports). Each element may
+// carry a comment (the host probe set stores the pod UID there).
 type Set struct {
 	Name     string
 	V6       bool
+	Interval bool
+	Ports    bool
 	Comment  string
 	Elements []Element
 }
 
-// Element is one set member.
+// Element is one set member: Addr, Prefix (an interval set's) or Port.
 type Element struct {
 	Addr    netip.Addr
+	Prefix  netip.Prefix
+	Port    uint16
 	Comment string
+	last    netip.Addr // Live only: the end of a range that is no prefix
 }
 
 // Route is policy routing that goes with a ruleset: `ip rule fwmark

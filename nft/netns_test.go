@@ -3,6 +3,7 @@ package nft
 import (
 	"errors"
 	"fmt"
+	"net/netip"
 	"os/exec"
 	"regexp"
 	"strings"
@@ -266,5 +267,34 @@ func TestConcurrentAppliesIntoManyNetns(t *testing.T) {
 	close(errs)
 	for err := range errs {
 		t.Error(err)
+	}
+}
+
+// Sets of thousands of elements are programmed whole: one netlink message
+// holds at most 64 KiB of elements, so they go in several. (A single
+// message made the kernel read a few hundred of them.) The host probe set
+// of a node's restored pods and an annotation's thousands of CIDRs alike.
+func TestLargeSetsAreProgrammedWhole(t *testing.T) {
+	testnet.RequireRoot(t)
+	var members []Member
+	var cidrs []string
+	for i := range 3000 {
+		a := netip.AddrFrom4([4]byte{10, 200 + byte(i>>16), byte(i >> 8), byte(i)})
+		members = append(members, Member{UID: fmt.Sprintf("5f0c3c5e-8d7a-4c1e-9c1b-%012d", i), IPs: []netip.Addr{a}})
+		cidrs = append(cidrs, a.String()+"/32")
+	}
+	for _, v := range []variant{
+		{"host probe set of 3000 pods", HostProbe(HostSpec{IPv6: true}, members)},
+		{"3000 excluded CIDRs", Sidecar(sidecarDefaults(t, map[string]string{istio.AnnExcludeOutboundCIDRs: strings.Join(cidrs, ",")}, SidecarProxy{}))},
+	} {
+		t.Run(v.name, func(t *testing.T) {
+			n := testnet.NewNS(t, "nftbig")
+			if err := Apply(n.FD, v.rs); err != nil {
+				t.Fatal(err)
+			}
+			if err := Verify(n.FD, v.rs); err != nil {
+				t.Fatal(err)
+			}
+		})
 	}
 }

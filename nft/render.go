@@ -44,11 +44,11 @@ func Render(tables ...*Table) string {
 
 func renderSet(b *strings.Builder, s *Set) {
 	fmt.Fprintf(b, "\tset %s {\n", s.Name)
-	typ, perLine := "ipv4_addr", 2
-	if s.V6 {
-		typ, perLine = "ipv6_addr", 1
+	fmt.Fprintf(b, "\t\ttype %s\n", s.typeName())
+	if s.Interval {
+		b.WriteString("\t\tflags interval\n")
 	}
-	fmt.Fprintf(b, "\t\ttype %s\n", typ)
+	perLine := s.perLine()
 	if s.Comment != "" {
 		fmt.Fprintf(b, "\t\tcomment %q\n", s.Comment)
 	}
@@ -62,7 +62,7 @@ func renderSet(b *strings.Builder, s *Set) {
 					b.WriteString(", ")
 				}
 			}
-			b.WriteString(e.Addr.String())
+			b.WriteString(e.text())
 			if e.Comment != "" {
 				fmt.Fprintf(b, " comment %q", e.Comment)
 			}

@@ -55,6 +55,16 @@ const (
 	scRawIn      = "raw-inbound"
 )
 
+// sidecar set names: the annotations' lists (address sets get -v4/-v6).
+const (
+	setOutExclude      = "out-exclude"       // excludeOutboundIPRanges
+	setOutInclude      = "out-include"       // includeOutboundIPRanges
+	setOutExcludePorts = "out-exclude-ports" // excludeOutboundPorts
+	setOutIncludePorts = "out-include-ports" // includeOutboundPorts
+	setInInclude       = "in-include-ports"  // includeInboundPorts
+	setInExclude       = "in-exclude-ports"  // excludeInboundPorts
+)
+
 var (
 	inboundPassthrough4 = netip.MustParsePrefix("127.0.0.6/32")
 	inboundPassthrough6 = netip.MustParsePrefix("::6/128")
@@ -83,7 +93,31 @@ func Sidecar(s SidecarSpec) *Ruleset {
 		}
 		return inboundPassthrough6
 	}
-	wanted := func(p netip.Prefix) bool { return p.Addr().Is4() || s.IPv6 }
+	// Address and port lists are named sets, one rule per list. A list
+	// with nothing in it (for a family) makes no set and no rule.
+	addrSet := func(name string, v4 bool, pfxs []netip.Prefix) (Term, bool) {
+		fam := "-v4"
+		if !v4 {
+			fam = "-v6"
+		}
+		set := PrefixSet(name+fam, !v4, pfxs)
+		if len(set.Elements) == 0 || !v4 && !s.IPv6 {
+			return nil, false
+		}
+		if !slices.ContainsFunc(t.Sets, func(x *Set) bool { return x.Name == set.Name }) {
+			t.Sets = append(t.Sets, set)
+		}
+		return AddrInSet(false, v4, set.Name), true
+	}
+	portSet := func(name string, ports []uint16) string {
+		if len(ports) == 0 {
+			return ""
+		}
+		if !slices.ContainsFunc(t.Sets, func(x *Set) bool { return x.Name == name }) {
+			t.Sets = append(t.Sets, PortSet(name, ports))
+		}
+		return name
+	}
 
 	for _, x := range s.ExcludeInterfaces {
 		t.add(natPre, IfName(true, Eq, x), Counter(), Return())
@@ -97,9 +131,9 @@ func Sidecar(s SidecarSpec) *Ruleset {
 		if s.OutboundAll {
 			t.add(natPre, IfName(true, Eq, v), Counter(), Jump(scRedirect))
 		} else {
-			for _, c := range s.IncludeOutboundCIDRs {
-				if wanted(c) {
-					t.add(natPre, IfName(true, Eq, v), Addr(false, Eq, c), Counter(), Jump(scRedirect))
+			for _, v4 := range []bool{true, false} {
+				if in, ok := addrSet(setOutInclude, v4, s.IncludeOutboundCIDRs); ok {
+					t.add(natPre, IfName(true, Eq, v), in, Counter(), Jump(scRedirect))
 				}
 			}
 		}
@@ -117,14 +151,12 @@ func Sidecar(s SidecarSpec) *Ruleset {
 		t.add(natPre, L4(TCP), Counter(), Jump(scInbound))
 		t.add(scInbound, DPort(TCP, Eq, istio.HBONEPort), Counter(), Return())
 		if s.InboundAll {
-			for _, p := range s.ExcludeInboundPorts {
-				t.add(scInbound, DPort(TCP, Eq, p), Counter(), Return())
+			if set := portSet(setInExclude, s.ExcludeInboundPorts); set != "" {
+				t.add(scInbound, DPortInSet(TCP, set), Counter(), Return())
 			}
 			t.add(scInbound, L4(TCP), Counter(), Jump(scInRedirect))
-		} else {
-			for _, p := range s.InboundPorts {
-				t.add(scInbound, DPort(TCP, Eq, p), Counter(), Jump(scInRedirect))
-			}
+		} else if set := portSet(setInInclude, s.InboundPorts); set != "" {
+			t.add(scInbound, DPortInSet(TCP, set), Counter(), Jump(scInRedirect))
 		}
 	case captureIn && tproxy:
 		t.add(scDivert, Counter(), SetMark(istio.TProxyMark))
@@ -142,16 +174,14 @@ func Sidecar(s SidecarSpec) *Ruleset {
 		// it in the nat inbound chain only, which TPROXY mode never jumps
 		// to, so TPROXY captures 15008 like any other port.
 		if s.InboundAll {
-			for _, p := range s.ExcludeInboundPorts {
-				t.add(scMangleIn, DPort(TCP, Eq, p), Counter(), Return())
+			if set := portSet(setInExclude, s.ExcludeInboundPorts); set != "" {
+				t.add(scMangleIn, DPortInSet(TCP, set), Counter(), Return())
 			}
 			t.add(scMangleIn, L4(TCP), CtState("established", "related"), Counter(), Jump(scDivert))
 			t.add(scMangleIn, L4(TCP), Counter(), Jump(scTProxy))
-		} else {
-			for _, p := range s.InboundPorts {
-				t.add(scMangleIn, DPort(TCP, Eq, p), CtState("established", "related"), Counter(), Jump(scDivert))
-				t.add(scMangleIn, DPort(TCP, Eq, p), Counter(), Jump(scTProxy))
-			}
+		} else if set := portSet(setInInclude, s.InboundPorts); set != "" {
+			t.add(scMangleIn, DPortInSet(TCP, set), CtState("established", "related"), Counter(), Jump(scDivert))
+			t.add(scMangleIn, DPortInSet(TCP, set), Counter(), Jump(scTProxy))
 		}
 	}
 	if tproxy {
@@ -169,9 +199,9 @@ func Sidecar(s SidecarSpec) *Ruleset {
 
 	// Outbound.
 	t.add(natOut, Counter(), Jump(scOutput))
-	for _, p := range s.ExcludeOutboundPorts {
-		t.add(scOutput, DPort(TCP, Eq, p), Counter(), Return())
-		t.add(scOutput, DPort(UDP, Eq, p), Counter(), Return())
+	if set := portSet(setOutExcludePorts, s.ExcludeOutboundPorts); set != "" {
+		t.add(scOutput, DPortInSet(TCP, set), Counter(), Return())
+		t.add(scOutput, DPortInSet(UDP, set), Counter(), Return())
 	}
 	for _, v4 := range fams { // the proxy's inbound passthrough source
 		t.add(scOutput, IfName(false, Eq, "lo"), Addr(true, Eq, passthrough(v4)), Counter(), Return())
@@ -219,20 +249,20 @@ func Sidecar(s SidecarSpec) *Ruleset {
 	for _, v4 := range fams {
 		t.add(scOutput, Addr(false, Eq, loopback(v4)), Counter(), Return())
 	}
-	for _, c := range s.ExcludeOutboundCIDRs {
-		if wanted(c) {
-			t.add(scOutput, Addr(false, Eq, c), Counter(), Return())
+	for _, v4 := range []bool{true, false} {
+		if ex, ok := addrSet(setOutExclude, v4, s.ExcludeOutboundCIDRs); ok {
+			t.add(scOutput, ex, Counter(), Return())
 		}
 	}
-	for _, p := range s.OutboundPorts {
-		t.add(scOutput, DPort(TCP, Eq, p), Counter(), Jump(scRedirect))
+	if set := portSet(setOutIncludePorts, s.OutboundPorts); set != "" {
+		t.add(scOutput, DPortInSet(TCP, set), Counter(), Jump(scRedirect))
 	}
 	if s.OutboundAll {
 		t.add(scOutput, Counter(), Jump(scRedirect))
 	} else {
-		for _, c := range s.IncludeOutboundCIDRs {
-			if wanted(c) {
-				t.add(scOutput, Addr(false, Eq, c), Counter(), Jump(scRedirect))
+		for _, v4 := range []bool{true, false} {
+			if in, ok := addrSet(setOutInclude, v4, s.IncludeOutboundCIDRs); ok {
+				t.add(scOutput, in, Counter(), Jump(scRedirect))
 			}
 		}
 	}

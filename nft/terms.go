@@ -118,6 +118,15 @@ func Addr(src bool, op Op, pfx netip.Prefix) Term {
 	return term{fmt.Sprintf("%s %s%s", dir, op.text(), text), ex}
 }
 
+// DPortInSet matches `tcp dport @name` against a named port set of this
+// table.
+func DPortInSet(p Proto, set string) Term {
+	ex := append(l4dep(p),
+		&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseTransportHeader, Offset: 2, Len: 2},
+		&expr.Lookup{SourceRegister: 1, SetName: set})
+	return term{fmt.Sprintf("%s dport @%s", p, set), ex}
+}
+
 // AddrInSet matches `ip daddr @name` against a named set of this table.
 func AddrInSet(src, v4 bool, set string) Term {
 	fam, off, dir := addrLoad(src, v4)

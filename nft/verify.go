@@ -2,9 +2,7 @@ package nft
 
 import (
 	"fmt"
-	"net/netip"
 	"slices"
-	"sort"
 	"strings"
 
 	"github.com/google/nftables"
@@ -108,18 +106,8 @@ func verifyTable(c *nftables.Conn, t *Table, all []*nftables.Chain) ([]string, e
 		if err != nil {
 			return nil, fmt.Errorf("listing set %s %s: %w", t.Name, s.Name, err)
 		}
-		var got, want []string
-		for _, e := range els {
-			a, _ := netip.AddrFromSlice(e.Key)
-			got = append(got, a.String()+" "+e.Comment)
-		}
-		for _, e := range s.Elements {
-			want = append(want, e.Addr.String()+" "+e.Comment)
-		}
-		sort.Strings(got)
-		sort.Strings(want)
-		if !slices.Equal(got, want) {
-			drift = append(drift, fmt.Sprintf("set %s %s: elements differ (have %v, want %v)", t.Name, s.Name, got, want))
+		if d := elementDrift(elementKeys(els), elementKeys(kernelElements(s))); d != "" {
+			drift = append(drift, fmt.Sprintf("set %s %s: elements differ: %s", t.Name, s.Name, d))
 		}
 	}
 	for name := range liveSets {
