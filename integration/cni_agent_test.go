@@ -394,15 +394,7 @@ func TestCNIZtunnelRefusalFailsTheAdd(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "cannot enter netns") {
 		t.Fatalf("ADD: %v, want ztunnel's refusal", err)
 	}
-	if hasTable(t, pod) {
-		t.Error("rules left in the pod of a failed enrolment")
-	}
-	if m := n.enroller().Members(); len(m) != 0 {
-		t.Errorf("agent holds %d pods after the failed ADD", len(m))
-	}
-	if err := n.del(full, rt); err != nil {
-		t.Errorf("DEL after the failed ADD: %v", err)
-	}
+	n.failedAddLeftNothing(t, pod, full, rt)
 	// The next pod is enrolled as usual.
 	ok := testnet.NewNS(t, "nftpod")
 	n.pod(meshNS, "ok", nil)
@@ -431,15 +423,7 @@ func TestCNIHungZtunnelIsNamed(t *testing.T) {
 		t.Fatalf("ADD with a hung ztunnel: %v, want an error naming ztunnel", err)
 	}
 	t.Logf("ADD: %v", err)
-	if hasTable(t, pod) {
-		t.Error("rules left in the pod of a failed enrolment")
-	}
-	if m := n.enroller().Members(); len(m) != 0 {
-		t.Errorf("agent holds %d pods after the failed ADD", len(m))
-	}
-	if err := n.del(full, rt); err != nil {
-		t.Errorf("DEL after the failed ADD: %v", err)
-	}
+	n.failedAddLeftNothing(t, pod, full, rt)
 }
 
 // OpenShift-shaped: the runtime passes the pod's annotations, and its
@@ -503,5 +487,20 @@ func TestCNISidecarWithRuntimeAnnotationsTakesTheProxyUIDFromTheSpec(t *testing.
 	}
 	if hasTable(t, other) {
 		t.Error("a sidecar pod got a ruleset with a guessed proxy UID")
+	}
+}
+
+// failedAddLeftNothing checks what a failed ADD leaves: no rules in the
+// pod, no pod held by the agent, and a DEL that succeeds.
+func (n *cniNode) failedAddLeftNothing(t *testing.T, pod *testnet.NS, l *libcni.NetworkConfigList, rt *libcni.RuntimeConf) {
+	t.Helper()
+	if hasTable(t, pod) {
+		t.Error("rules left in the pod of a failed enrolment")
+	}
+	if m := n.enroller().Members(); len(m) != 0 {
+		t.Errorf("agent holds %d pods after the failed ADD", len(m))
+	}
+	if err := n.del(l, rt); err != nil {
+		t.Errorf("DEL after the failed ADD: %v", err)
 	}
 }

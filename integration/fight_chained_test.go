@@ -2,7 +2,6 @@ package integration
 
 import (
 	"fmt"
-	"io"
 	"os"
 	"path/filepath"
 	"slices"
@@ -13,7 +12,6 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 
-	"github.com/nftcni/nftcni/integration/containerdtest"
 	"github.com/nftcni/nftcni/integration/nodetest"
 )
 
@@ -28,44 +26,16 @@ import (
 // captured connection, how many connections escaped meanwhile, and how
 // long the conflist went without our entry after each rewrite.
 func TestNodeChainedFightingPrimary(t *testing.T) {
-	var gen *containerdtest.Generation
-	for _, g := range containerdtest.Generations(t) {
-		if g.V2 {
-			gen = &g
-		}
-	}
-	if gen == nil {
-		t.Skip("no containerd 2.x")
-	}
-	n := nodetest.Start(t, *gen)
-	for name, archive := range nodeImages(t) {
-		n.Import(name, archive)
-	}
-	image, imageValues := nftcniImage(t)
-	n.Import("nftcni", image)
-	chart, _ := filepath.Abs("../deploy/charts/nftcni")
-	values := append(imageValues, "--set", "pullPolicy=Never", "--set", "installMode=chained",
-		"--set", "cniBinDir="+n.BinDir, "--set", "cniConfDir="+n.ConfDir)
-	if out, err := n.Helm(append([]string{"install", "nftcni", chart, "--namespace", "kube-system", "--wait", "--timeout", "120s"}, values...)...); err != nil {
-		t.Fatalf("helm install in chained mode: %v\n%s", err, out)
-	}
-	waitDaemonSetPodReady(t, n, "kube-system", "k8s-app=nftcni-node")
+	gen := containerd2(t)
+	n := nodetest.Start(t, gen)
+	installChained(t, n)
 	deployZtunnel(t, n)
 	waitDaemonSetPodReady(t, n, "istio-system", "app=ztunnel")
 	mkNamespace(t, n, "amb", map[string]string{"istio.io/dataplane-mode": "ambient"})
 	mkNamespace(t, n, "plain", nil)
 	target := runApp(t, n, "plain", "target", false) + ":8081"
 	primary := filepath.Join(n.ConfDir, nodetest.ConfFile)
-	ask := func(podIP, path string) string {
-		t.Helper()
-		resp, err := n.HTTP().Get("http://" + podIP + ":8080" + path)
-		if err != nil {
-			t.Fatalf("GET %s%s: %v", podIP, path, err)
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		return string(b)
-	}
+	ask := func(podIP, path string) string { t.Helper(); return askApp(t, n, podIP, path) }
 	var report strings.Builder
 	// Every 500 ms, every 100 ms, and at once (0: a primary that watches
 	// its file and reverts our entry the moment it appears; then nearly

@@ -3,7 +3,6 @@ package integration
 import (
 	"context"
 	"fmt"
-	"io"
 	"os"
 	"path/filepath"
 	"strings"
@@ -12,7 +11,6 @@ import (
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/nftcni/nftcni/integration/containerdtest"
 	"github.com/nftcni/nftcni/integration/nodetest"
 	"github.com/nftcni/nftcni/internal/testnet"
 )
@@ -29,15 +27,7 @@ const multusNetworks = "k8s.v1.cni.cncf.io/networks"
 // capture proof passes and its traffic lands on ztunnel); a pod outside
 // the mesh that asks, and one that does not, start untouched.
 func TestNodeMultus(t *testing.T) {
-	var gen *containerdtest.Generation
-	for _, g := range containerdtest.Generations(t) {
-		if g.V2 {
-			gen = &g
-		}
-	}
-	if gen == nil {
-		t.Skip("no containerd 2.x")
-	}
+	gen := containerd2(t)
 	multus := filepath.Join(testnet.Cached("NFTCNI_MULTUS_BIN", "multus-v4.2.2"), "multus")
 	bin, err := os.ReadFile(multus)
 	if err != nil {
@@ -47,7 +37,7 @@ func TestNodeMultus(t *testing.T) {
 		}
 		t.Skip(msg)
 	}
-	n := nodetest.Start(t, *gen)
+	n := nodetest.Start(t, gen)
 	ctx := context.Background()
 	for name, archive := range nodeImages(t) {
 		n.Import(name, archive)
@@ -115,16 +105,7 @@ func TestNodeMultus(t *testing.T) {
 	amb := waitApp(t, n, "amb", "app", true)
 	createAppAnnotated(t, n, "plain", "asks", false, attach)
 	asks := waitApp(t, n, "plain", "asks", false)
-	ask := func(podIP, path string) string {
-		t.Helper()
-		resp, err := n.HTTP().Get("http://" + podIP + ":8080" + path)
-		if err != nil {
-			t.Fatalf("GET %s%s: %v", podIP, path, err)
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		return string(b)
-	}
+	ask := func(podIP, path string) string { t.Helper(); return askApp(t, n, podIP, path) }
 	if got := ask(amb, "/dial?addr="+plain+":8081"); !strings.HasPrefix(got, "ztunnel:15001 dst="+plain+":8081") {
 		t.Errorf("the ambient pod attached through Multus: outbound %q, want ztunnel:15001", got)
 	}

@@ -188,16 +188,7 @@ func testNode(t *testing.T, gen containerdtest.Generation) {
 	if got := pod.Annotations["ambient.istio.io/redirection"]; got != "enabled" {
 		t.Errorf("ambient pod annotation ambient.istio.io/redirection = %q, want enabled", got)
 	}
-	ask := func(podIP, path string) string {
-		t.Helper()
-		resp, err := n.HTTP().Get("http://" + podIP + ":8080" + path)
-		if err != nil {
-			t.Fatalf("GET %s%s: %v", podIP, path, err)
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		return string(b)
-	}
+	ask := func(podIP, path string) string { t.Helper(); return askApp(t, n, podIP, path) }
 	capturedOut := func(ip string) bool {
 		return strings.HasPrefix(ask(ip, "/dial?addr="+plain+":8081"), "ztunnel:15001 dst="+plain+":8081")
 	}
@@ -677,4 +668,47 @@ func loopStats(t *testing.T, s string) map[string]int {
 		out[k] = n
 	}
 	return out
+}
+
+// askApp asks nodeapp in the pod at podIP (its HTTP port) for path.
+func askApp(t *testing.T, n *nodetest.Node, podIP, path string) string {
+	t.Helper()
+	resp, err := n.HTTP().Get("http://" + podIP + ":8080" + path)
+	if err != nil {
+		t.Fatalf("GET %s%s: %v", podIP, path, err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return string(b)
+}
+
+// containerd2 is the containerd 2.x generation the one-runtime node tests
+// use; without one the test skips.
+func containerd2(t *testing.T) containerdtest.Generation {
+	t.Helper()
+	for _, g := range containerdtest.Generations(t) {
+		if g.V2 {
+			return g
+		}
+	}
+	t.Skip("no containerd 2.x")
+	return containerdtest.Generation{}
+}
+
+// installChained imports the test images and the nftcni image into the
+// node and installs the chart in chained mode, until the agent is ready.
+func installChained(t *testing.T, n *nodetest.Node) {
+	t.Helper()
+	for name, archive := range nodeImages(t) {
+		n.Import(name, archive)
+	}
+	image, imageValues := nftcniImage(t)
+	n.Import("nftcni", image)
+	chart, _ := filepath.Abs("../deploy/charts/nftcni")
+	values := append(imageValues, "--set", "pullPolicy=Never", "--set", "installMode=chained",
+		"--set", "cniBinDir="+n.BinDir, "--set", "cniConfDir="+n.ConfDir)
+	if out, err := n.Helm(append([]string{"install", "nftcni", chart, "--namespace", "kube-system", "--wait", "--timeout", "120s"}, values...)...); err != nil {
+		t.Fatalf("helm install in chained mode: %v\n%s", err, out)
+	}
+	waitDaemonSetPodReady(t, n, "kube-system", "k8s-app=nftcni-node")
 }

@@ -2,7 +2,6 @@ package integration
 
 import (
 	"context"
-	"io"
 	"os"
 	"path/filepath"
 	"strings"
@@ -11,7 +10,6 @@ import (
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/nftcni/nftcni/integration/containerdtest"
 	"github.com/nftcni/nftcni/integration/nodetest"
 )
 
@@ -27,29 +25,10 @@ import (
 // without waiting for the agent. The test reports how long the ambient
 // pod's sandbox ran un-captured.
 func TestNodeRebootChained(t *testing.T) {
-	var gen *containerdtest.Generation
-	for _, g := range containerdtest.Generations(t) {
-		if g.V2 {
-			gen = &g
-		}
-	}
-	if gen == nil {
-		t.Skip("no containerd 2.x")
-	}
-	n := nodetest.Start(t, *gen)
+	gen := containerd2(t)
+	n := nodetest.Start(t, gen)
 	ctx := context.Background()
-	for name, archive := range nodeImages(t) {
-		n.Import(name, archive)
-	}
-	image, imageValues := nftcniImage(t)
-	n.Import("nftcni", image)
-	chart, _ := filepath.Abs("../deploy/charts/nftcni")
-	values := append(imageValues, "--set", "pullPolicy=Never", "--set", "installMode=chained",
-		"--set", "cniBinDir="+n.BinDir, "--set", "cniConfDir="+n.ConfDir)
-	if out, err := n.Helm(append([]string{"install", "nftcni", chart, "--namespace", "kube-system", "--wait", "--timeout", "120s"}, values...)...); err != nil {
-		t.Fatalf("helm install in chained mode: %v\n%s", err, out)
-	}
-	waitDaemonSetPodReady(t, n, "kube-system", "k8s-app=nftcni-node")
+	installChained(t, n)
 	primary := filepath.Join(n.ConfDir, nodetest.ConfFile)
 	if b, _ := os.ReadFile(primary); !strings.Contains(string(b), `"nftcni"`) {
 		t.Fatalf("the primary's conflist is not patched in chained mode:\n%s", b)
@@ -98,16 +77,7 @@ func TestNodeRebootChained(t *testing.T) {
 		amb = p.Status.PodIP
 		return true
 	})
-	ask := func(podIP, path string) string {
-		t.Helper()
-		resp, err := n.HTTP().Get("http://" + podIP + ":8080" + path)
-		if err != nil {
-			t.Fatalf("GET %s%s: %v", podIP, path, err)
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		return string(b)
-	}
+	ask := func(podIP, path string) string { t.Helper(); return askApp(t, n, podIP, path) }
 	if got := ask(amb, "/dial?addr="+plain+":8081"); !strings.HasPrefix(got, "ztunnel:15001") {
 		t.Errorf("after the reboot the ambient pod's outbound: %q, want ztunnel:15001", got)
 	}
