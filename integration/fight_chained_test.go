@@ -2,6 +2,7 @@ package integration
 
 import (
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"slices"
@@ -38,12 +39,24 @@ func TestNodeChainedFightingPrimary(t *testing.T) {
 	ask := func(podIP, path string) string { t.Helper(); return askApp(t, n, podIP, path) }
 	var report strings.Builder
 	// Every 500 ms, every 100 ms, and at once (0: a primary that watches
-	// its file and reverts our entry the moment it appears; then nearly
-	// every pod starts outside the chain and is enrolled late).
+	// its file and reverts our entry the moment it appears).
+	late := 0
 	for _, every := range []time.Duration{500 * time.Millisecond, 100 * time.Millisecond, 0} {
-		r := fight(t, n, primary, every, target, ask)
+		r, l := fight(t, n, primary, every, target, ask)
 		t.Log(r)
 		report.WriteString(r + "\n")
+		late += l
+	}
+	// Never in silence: every pod that started outside the chain is
+	// counted (and logged as a warning), and no other.
+	resp, err := n.HTTP().Get("http://" + nodetest.NodeIP + ":15014/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	metrics, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if want := fmt.Sprintf("nftcni_pods_started_outside_chain_total %d\n", late); !strings.Contains(string(metrics), want) {
+		t.Errorf("the agent's metrics lack %q (pods that started outside the chain)", want)
 	}
 	if p := os.Getenv("NFTCNI_FIGHT_REPORT"); p != "" {
 		if err := os.WriteFile(p, []byte(report.String()), 0o644); err != nil {
@@ -56,7 +69,7 @@ func TestNodeChainedFightingPrimary(t *testing.T) {
 // entry is back) while it creates
 // ambient pods, then waits for each pod to be captured and says how long
 // it ran un-captured and how long the conflist went without our entry.
-func fight(t *testing.T, n *nodetest.Node, primary string, every time.Duration, target string, ask func(ip, path string) string) string {
+func fight(t *testing.T, n *nodetest.Node, primary string, every time.Duration, target string, ask func(ip, path string) string) (report string, late int) {
 	stop := make(chan struct{})
 	var gaps []time.Duration // after each rewrite, until our entry was back
 	var fought sync.WaitGroup
@@ -119,7 +132,7 @@ func fight(t *testing.T, n *nodetest.Node, primary string, every time.Duration, 
 	fought.Wait()
 
 	var windows []time.Duration
-	late, escaped := 0, 0
+	escaped := 0
 	for i := range pods {
 		name := prefix + fmt.Sprint(i)
 		var st map[string]int
@@ -151,5 +164,5 @@ func fight(t *testing.T, n *nodetest.Node, primary string, every time.Duration, 
 	return fmt.Sprintf("chained mode, primary rewriting its conflist %s: %d of %d ambient pods started outside the chain and were enrolled late; "+
 		"un-captured from app start: median %v, max %v; %d connections escaped; our entry back after median %v, max %v (%d rewrites)",
 		how, late, pods, windows[len(windows)/2], windows[len(windows)-1], escaped,
-		gaps[len(gaps)/2].Round(time.Millisecond), gaps[len(gaps)-1].Round(time.Millisecond), len(gaps))
+		gaps[len(gaps)/2].Round(time.Millisecond), gaps[len(gaps)-1].Round(time.Millisecond), len(gaps)), late
 }

@@ -145,6 +145,9 @@ type Enroller struct {
 
 	lookupRetries int
 	lookupDelay   time.Duration
+	// started is when this agent began: a pod that started after it and
+	// is found without an ADD started outside our chain.
+	started time.Time
 
 	mu   sync.Mutex
 	pods map[wire.Attachment]*pod
@@ -167,7 +170,8 @@ func New(opts Options) *Enroller {
 		opts.LookupRetries = 10
 	}
 	return &Enroller{opts: opts, policy: opts.Policy, store: opts.Store, rules: opts.Rules, log: opts.Log,
-		metrics: opts.Metrics, lookupRetries: opts.LookupRetries, lookupDelay: 10 * time.Millisecond, pods: map[wire.Attachment]*pod{}}
+		metrics: opts.Metrics, lookupRetries: opts.LookupRetries, lookupDelay: 10 * time.Millisecond, pods: map[wire.Attachment]*pod{},
+		started: time.Now()}
 }
 
 // pod is one sandbox attachment the agent knows: enrolled, or known (its

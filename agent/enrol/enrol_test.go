@@ -11,6 +11,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -22,6 +23,7 @@ import (
 	"github.com/nftcni/nftcni/agent/records"
 	"github.com/nftcni/nftcni/agent/zds"
 	"github.com/nftcni/nftcni/istio"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
@@ -812,6 +814,23 @@ func TestLateEnrolmentThroughProc(t *testing.T) {
 	r.expect("find uid-a", "rules.Program", "zt.Add uid-a", `annotate mesh/a="enabled"`)
 	if got, want := r.dump("a"), r.ambientRules(); got != want {
 		t.Errorf("the pod's netns:\n%s\nwant:\n%s", got, want)
+	}
+	if n := testutil.ToFloat64(r.e.metrics.OutsideChain); n != 0 {
+		t.Errorf("a pod that started before the agent counted as started outside the chain: %v", n)
+	}
+
+	// A pod that started while this agent ran and that no ADD brought is
+	// one whose runtime ran a chain without our entry: counted (and
+	// logged as a warning), then enrolled as any other.
+	kp := r.running("mesh", "b", "uid-b", "10.0.0.6", nil)
+	kp.Status.StartTime = &metav1.Time{Time: time.Now()}
+	r.store.PutPod(kp)
+	if err := r.e.Reconcile(context.Background(), "mesh", "b"); err != nil {
+		t.Fatal(err)
+	}
+	r.expect("zt.Add uid-b")
+	if n := testutil.ToFloat64(r.e.metrics.OutsideChain); n != 1 {
+		t.Errorf("pods counted as started outside the chain: %v, want 1", n)
 	}
 }
 

@@ -190,7 +190,16 @@ func (e *Enroller) adoptIfEnrolled(ctx context.Context, kp *corev1.Pod) error {
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return e.enrolByAgent(ctx, p, d, "late enrolment of a pod found through /proc")
+	if err := e.enrolByAgent(ctx, p, d, "late enrolment of a pod found through /proc"); err != nil {
+		return err
+	}
+	if st := kp.Status.StartTime; st != nil && st.After(e.started) {
+		// Never in silence: its runtime ran a chain without our entry.
+		e.metrics.OutsideChain.Inc()
+		e.log.Warn("an ambient pod started without nftcni in its CNI chain while the agent ran, and ran un-captured until now: the runtime did not run our entry (a primary that rewrote its config without it, or a runtime that reads no drop-ins: use owned mode there)",
+			"pod", kp.Namespace+"/"+kp.Name, "started", st.Time)
+	}
+	return nil
 }
 
 // find looks for a running pod's netns through the Finder and tracks it

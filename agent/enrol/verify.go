@@ -37,6 +37,9 @@ type Metrics struct {
 	// Handovers counts pods found with istio-cni's rules: taken over, or
 	// refused (other rules beside them) and left as they were.
 	Handovers *prometheus.CounterVec
+	// OutsideChain counts ambient pods that started while the agent ran
+	// but whose ADD never reached it: enrolled late.
+	OutsideChain prometheus.Counter
 }
 
 // NewMetrics registers the metrics with reg (nil: unregistered).
@@ -51,9 +54,11 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		Handovers: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "nftcni_istio_handover_pods_total",
 			Help: "Pods found with istio-cni's rules in their netns: result taken (replaced by ours in one transaction) or refused (rules of someone else beside them; left as they were)."},
 			[]string{"result"}),
+		OutsideChain: prometheus.NewCounter(prometheus.CounterOpts{Name: "nftcni_pods_started_outside_chain_total",
+			Help: "Ambient pods that started while the agent ran but whose sandbox never reached nftcni (the runtime did not run its entry: a primary that rewrote its config without it, or a runtime that reads no drop-ins); each was enrolled late."}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.Repairs, m.Verified, m.Pass, m.Handovers)
+		reg.MustRegister(m.Repairs, m.Verified, m.Pass, m.Handovers, m.OutsideChain)
 	}
 	return m
 }
