@@ -5,6 +5,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 	"sync"
@@ -12,6 +13,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/nftcni/nftcni/integration/nodetest"
 )
@@ -40,24 +42,46 @@ func TestNodeChainedFightingPrimary(t *testing.T) {
 	var report strings.Builder
 	// Every 500 ms, every 100 ms, and at once (0: a primary that watches
 	// its file and reverts our entry the moment it appears).
-	late := 0
+	var escaped []string // pods with a connection that went un-captured
 	for _, every := range []time.Duration{500 * time.Millisecond, 100 * time.Millisecond, 0} {
-		r, l := fight(t, n, primary, every, target, ask)
+		r, e := fight(t, n, primary, every, target, ask)
 		t.Log(r)
 		report.WriteString(r + "\n")
-		late += l
+		escaped = append(escaped, e...)
 	}
 	// Never in silence: every pod that started outside the chain is
-	// counted (and logged as a warning), and no other.
-	resp, err := n.HTTP().Get("http://" + nodetest.NodeIP + ":15014/metrics")
+	// warned about by name and counted. A pod with an escaped connection
+	// surely started outside it; one enrolled late before its first
+	// connection may have too, so the warned pods are a superset.
+	// The agent has a pod IP of its own (no hostNetwork); its chart
+	// exposes /metrics on monitoringPort there.
+	agent, err := n.Client.CoreV1().Pods("kube-system").Get(t.Context(), waitDaemonSetPodReady(t, n, "kube-system", "k8s-app=nftcni-node"), metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	warned := warnedOutsideChain(agentPodLog(t, n, agent.Name))
+	for _, p := range escaped {
+		if !slices.Contains(warned, p) {
+			t.Errorf("%s had connections escape, but the agent never warned that it started outside the chain (warned: %v)", p, warned)
+		}
+	}
+	for _, p := range warned {
+		if !strings.HasPrefix(p, "amb/f") {
+			t.Errorf("the agent warned that %s started outside the chain; it is not one of the fight's pods", p)
+		}
+	}
+	resp, err := n.HTTP().Get("http://" + agent.Status.PodIP + ":15014/metrics")
 	if err != nil {
 		t.Fatal(err)
 	}
 	metrics, _ := io.ReadAll(resp.Body)
 	resp.Body.Close()
-	if want := fmt.Sprintf("nftcni_pods_started_outside_chain_total %d\n", late); !strings.Contains(string(metrics), want) {
-		t.Errorf("the agent's metrics lack %q (pods that started outside the chain)", want)
+	if want := fmt.Sprintf("nftcni_pods_started_outside_chain_total %d\n", len(warned)); !strings.Contains(string(metrics), want) {
+		t.Errorf("the agent's metrics lack %q (the pods it warned about: %v); they have %q", want, warned,
+			grepLines(string(metrics), "nftcni_pods_started_outside_chain_total"))
 	}
+	fmt.Fprintf(&report, "the agent warned about and counted %d pods that started outside the chain (%d had connections escape)\n", len(warned), len(escaped))
+	t.Log(strings.TrimSpace(report.String()))
 	if p := os.Getenv("NFTCNI_FIGHT_REPORT"); p != "" {
 		if err := os.WriteFile(p, []byte(report.String()), 0o644); err != nil {
 			t.Error(err)
@@ -69,7 +93,7 @@ func TestNodeChainedFightingPrimary(t *testing.T) {
 // entry is back) while it creates
 // ambient pods, then waits for each pod to be captured and says how long
 // it ran un-captured and how long the conflist went without our entry.
-func fight(t *testing.T, n *nodetest.Node, primary string, every time.Duration, target string, ask func(ip, path string) string) (report string, late int) {
+func fight(t *testing.T, n *nodetest.Node, primary string, every time.Duration, target string, ask func(ip, path string) string) (report string, escapedPods []string) {
 	stop := make(chan struct{})
 	var gaps []time.Duration // after each rewrite, until our entry was back
 	var fought sync.WaitGroup
@@ -144,7 +168,7 @@ func fight(t *testing.T, n *nodetest.Node, primary string, every time.Duration, 
 		windows = append(windows, w)
 		escaped += st["escaped"]
 		if st["escaped"]+st["failed"] > 0 {
-			late++
+			escapedPods = append(escapedPods, "amb/"+name)
 		}
 		t.Logf("amb/%s: first captured connection %v after its app started; %d connections escaped before", name, w, st["escaped"])
 	}
@@ -161,8 +185,36 @@ func fight(t *testing.T, n *nodetest.Node, primary string, every time.Duration, 
 	if every == 0 {
 		how = "the moment our entry appears"
 	}
-	return fmt.Sprintf("chained mode, primary rewriting its conflist %s: %d of %d ambient pods started outside the chain and were enrolled late; "+
+	return fmt.Sprintf("chained mode, primary rewriting its conflist %s: %d of %d ambient pods ran connections un-captured; "+
 		"un-captured from app start: median %v, max %v; %d connections escaped; our entry back after median %v, max %v (%d rewrites)",
-		how, late, pods, windows[len(windows)/2], windows[len(windows)-1], escaped,
-		gaps[len(gaps)/2].Round(time.Millisecond), gaps[len(gaps)-1].Round(time.Millisecond), len(gaps)), late
+		how, len(escapedPods), pods, windows[len(windows)/2], windows[len(windows)-1], escaped,
+		gaps[len(gaps)/2].Round(time.Millisecond), gaps[len(gaps)-1].Round(time.Millisecond), len(gaps)), escapedPods
 }
+
+// agentPodLog is the agent pod's log as the kubelet serves it.
+func agentPodLog(t *testing.T, n *nodetest.Node, pod string) string {
+	t.Helper()
+	b, err := n.Client.CoreV1().Pods("kube-system").GetLogs(pod, &corev1.PodLogOptions{}).DoRaw(t.Context())
+	if err != nil {
+		return fmt.Sprintf("(its log: %v)", err)
+	}
+	return string(b)
+}
+
+// warnedOutsideChain is the pods the agent's log names as having started
+// without nftcni in their chain.
+func warnedOutsideChain(log string) []string {
+	var pods []string
+	for _, line := range strings.Split(log, "\n") {
+		if !strings.Contains(line, "started without nftcni") {
+			continue
+		}
+		if m := podField.FindStringSubmatch(line); m != nil && !slices.Contains(pods, m[1]) {
+			pods = append(pods, m[1])
+		}
+	}
+	return pods
+}
+
+// As slog writes it, in text (pod=ns/name) or JSON ("pod":"ns/name").
+var podField = regexp.MustCompile(`\bpod"?[=:]"?([^"\s]+)`)
