@@ -154,14 +154,28 @@ func (n *criNode) startContainerd(gen containerdtest.Generation, handlers map[st
 // startAgent runs the agent process (again) and connects a new test
 // ztunnel, which has had the agent's snapshot when this returns.
 func (n *criNode) startAgent(args ...string) {
+	n.t.Helper()
+	waitReady(n.t, n.launchAgent(args...))
+	n.connectZtunnel()
+}
+
+// launchAgent runs the agent process (again) and returns its health
+// address, ready or not.
+func (n *criNode) launchAgent(args ...string) string {
 	t := n.t
 	t.Helper()
 	port := testnet.FreePort(t)
 	n.metrics = fmt.Sprintf("http://127.0.0.1:%d/metrics", port)
 	cmd, addr, alog := startAgent(t, n.h, append([]string{"--pod-source", n.podSrc, "--monitoring-port", fmt.Sprint(port)}, args...)...)
-	waitReady(t, addr)
 	n.agent, n.alog = cmd, alog
-	n.z = ztunneltest.Connect(t, n.h.zsock)
+	return addr
+}
+
+// connectZtunnel connects a new test ztunnel, which has had the agent's
+// snapshot when this returns.
+func (n *criNode) connectZtunnel() {
+	n.t.Helper()
+	n.z = ztunneltest.Connect(n.t, n.h.zsock)
 	n.z.Wait(zds.KindSnapshotSent, "", 30*time.Second)
 }
 

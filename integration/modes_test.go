@@ -2,6 +2,9 @@ package integration
 
 import (
 	"bytes"
+	"fmt"
+	"io"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
@@ -10,8 +13,11 @@ import (
 
 	"github.com/nftcni/nftcni/agent/zds"
 	"github.com/nftcni/nftcni/integration/containerdtest"
+	"github.com/nftcni/nftcni/integration/kubetest"
 	"github.com/nftcni/nftcni/internal/testnet"
 	"github.com/nftcni/nftcni/nft"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
 // TestCRIEveryInstallMode: each install mode the agent offers for a node
@@ -39,16 +45,47 @@ func testCRIMode(t *testing.T, gen containerdtest.Generation, subnet int, mode s
 		t.Fatal(err)
 	}
 	n.podSrc = podSourceDir(t, criPods())
-	n.startAgent("--mode", mode)
+	if mode == "dropin" {
+		// Someone else's drop-in too: the network's drop-in dir exists
+		// before ours and stays after it, so neither our install nor our
+		// uninstall makes or removes the dir (an event containerd reloads on).
+		other := filepath.Join(n.h.conf, fmt.Sprintf("crinet%d", subnet), "10-tuning.conf")
+		if err := os.MkdirAll(filepath.Dir(other), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(other, []byte(`{"type": "tuning"}`+"\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The runtime first, as on a node (the agent is a DaemonSet pod), and
+	// the agent told the runtime as the kubelet reports it in the Node.
 	n.startContainerd(gen, nil)
+	rt, err := n.ctrd.RuntimeVersion()
+	if err != nil {
+		t.Fatal(err)
+	}
 	readsDropIns := !strings.HasPrefix(gen.Name, "containerd-1.")
+	refused := mode == "dropin" && !readsDropIns
+	if refused {
+		// Never reported as installed: unready, saying why.
+		addr := n.launchAgent("--mode", mode, "--container-runtime", rt)
+		eventually(t, "the agent unready, naming "+rt, func() bool {
+			return strings.Contains(readyz(t, addr), "reads no CNI drop-ins")
+		})
+		t.Logf("%s: %s", rt, readyz(t, addr))
+		n.connectZtunnel()
+	} else {
+		n.startAgent("--mode", mode, "--container-runtime", rt)
+	}
 
 	app, appNS := n.run("mesh", "app", "uid-app", nil)
-	if mode == "dropin" && !readsDropIns {
+	if refused {
 		if hasTable(t, appNS) {
 			t.Errorf("%s ran nftcni from a drop-in: the docs say it reads none", gen.Name)
 		}
-		t.Logf("%s reads no drop-ins: mesh/app started without nftcni (use owned mode on it)", gen.Name)
+		if _, err := os.Stat(filepath.Join(n.h.conf, fmt.Sprintf("crinet%d", subnet), "nftcni.conf")); err == nil {
+			t.Errorf("the agent wrote a drop-in for %s", rt)
+		}
 	} else {
 		if err := nft.Verify(appNS.FD, nft.Ambient(nft.AmbientSpec{DNSCapture: true})); err != nil {
 			t.Errorf("mesh/app's ruleset in %s mode: %v", mode, err)
@@ -75,9 +112,21 @@ func testCRIMode(t *testing.T, gen containerdtest.Generation, subnet int, mode s
 	n.remove(app)
 	n.remove(web)
 
-	// Uninstall: the primary as it was, and nothing of ours left.
+	// Uninstall: the primary as it was, nothing of ours left, and the
+	// runtime no longer calls nftcni (its binary is gone).
 	n.killAgent()
 	run(t, n.h.agent("uninstall"))
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		id, err := n.ctrd.Run(n.ctrd.Pod("plain", "after", "uid-after", nil))
+		if err == nil {
+			_ = n.ctrd.Stop(id)
+			_ = n.ctrd.Remove(id)
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no sandbox starts after the uninstall in %s mode: %v", mode, err)
+		}
+	}
 	if got, _ := os.ReadFile(n.primary); !bytes.Equal(got, orig) {
 		t.Errorf("after uninstall in %s mode the primary differs:\n%s\nwas:\n%s", mode, got, orig)
 	}
@@ -90,4 +139,60 @@ func testCRIMode(t *testing.T, gen containerdtest.Generation, subnet int, mode s
 		}
 		return nil
 	})
+}
+
+// readyz is the agent's /readyz answer: "ok" or why it is not ready.
+func readyz(t testing.TB, addr string) string {
+	t.Helper()
+	resp, err := http.Get("http://" + addr + "/readyz")
+	if err != nil {
+		return err.Error()
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return strings.TrimSpace(string(b))
+}
+
+// TestDropInReadsTheRuntimeFromTheNode: on Kubernetes, drop-in mode reads
+// the node's container runtime from the Node the kubelet reports (through
+// the chart's RBAC) and refuses one that reads no drop-ins: the agent
+// stays unready, saying why, and writes no drop-in. On a runtime that
+// reads them the drop-in goes in.
+func TestDropInReadsTheRuntimeFromTheNode(t *testing.T) {
+	api := kubetest.Start(t)
+	createManifest(t, api, []string{"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"})
+	for _, c := range []struct {
+		node, runtime string
+		refused       bool
+	}{{"node-old", "containerd://1.7.27", true}, {"node-new", "containerd://2.1.3", false}} {
+		n, err := api.Client.CoreV1().Nodes().Create(t.Context(), &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: c.node}}, metav1.CreateOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		n.Status.NodeInfo.ContainerRuntimeVersion = c.runtime
+		if _, err := api.Client.CoreV1().Nodes().UpdateStatus(t.Context(), n, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		h := newHost(t)
+		cmd, addr, logs := startAgent(t, h, "--mode", "dropin", "--kubeconfig", api.AgentKubeconfig, "--node-name", c.node)
+		dropIn := filepath.Join(h.conf, "k8s-pod-network", "nftcni.conf")
+		if c.refused {
+			eventually(t, "the agent unready, naming "+c.runtime, func() bool {
+				r := readyz(t, addr)
+				return strings.Contains(r, c.runtime) && strings.Contains(r, "reads no CNI drop-ins")
+			})
+			if _, err := os.Stat(dropIn); err == nil {
+				t.Errorf("%s: the agent wrote %s", c.runtime, dropIn)
+			}
+		} else {
+			waitReady(t, addr)
+			if _, err := os.Stat(dropIn); err != nil {
+				t.Errorf("%s: no drop-in: %v", c.runtime, err)
+			}
+		}
+		if !strings.Contains(logs.String(), c.runtime) {
+			t.Errorf("the agent's log never names the node's runtime %s:\n%s", c.runtime, logs)
+		}
+		_ = logs.stop(t, cmd)
+	}
 }

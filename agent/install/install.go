@@ -76,7 +76,11 @@ type Config struct {
 	// Entry is our rendered plugin object; Standalone our whole list.
 	Entry      []byte
 	Standalone []byte
-	Log        *slog.Logger
+	// Runtime is the node's container runtime as Kubernetes reports it
+	// ("containerd://2.4.2"); drop-in mode refuses one that reads no
+	// drop-ins. Empty: unknown.
+	Runtime string
+	Log     *slog.Logger
 }
 
 // Installer performs install passes; it is safe for one goroutine at a time
@@ -541,7 +545,21 @@ func (in *Installer) ensureStandalone(res *Result) error {
 	return in.write(path, cur, in.cfg.Standalone, &atomicfile.FileMeta{Mode: 0o644, UID: os.Geteuid(), GID: os.Getegid()}, res)
 }
 
+// SetRuntime records the node's container runtime (see Config.Runtime)
+// once it is known, for the passes that follow.
+func (in *Installer) SetRuntime(runtime string) {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	in.cfg.Runtime = runtime
+}
+
+// Mode is the install mode.
+func (in *Installer) Mode() Mode { return in.cfg.Mode }
+
 func (in *Installer) ensureDropIn(res *Result) error {
+	if err := dropInsUnread(in.cfg.Runtime); err != nil {
+		return err
+	}
 	c, raise, err := in.chainablePrimary(res)
 	if err != nil {
 		return err
@@ -578,7 +596,11 @@ func (in *Installer) ensureDropIn(res *Result) error {
 	if err != nil {
 		return err
 	}
-	return in.write(path, cur, in.cfg.Entry, &meta, res)
+	if err := in.write(path, cur, in.cfg.Entry, &meta, res); err != nil {
+		return err
+	}
+	in.reloadRuntimes()
+	return nil
 }
 
 // dropInDir is <confdir>/<network name>, refusing names that are not one

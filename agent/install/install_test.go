@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/containernetworking/cni/libcni"
+	"github.com/fsnotify/fsnotify"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/tidwall/gjson"
 
@@ -786,6 +787,99 @@ func TestDropInNeedsAList(t *testing.T) {
 	}
 	if last := loaded.Plugins[len(loaded.Plugins)-1]; last.Network.Type != templates.PluginType {
 		t.Errorf("libcni loads %s last, want our drop-in's %s", last.Network.Type, templates.PluginType)
+	}
+}
+
+// TestDropInNeedsARuntimeThatReadsThem: on a runtime that Kubernetes
+// reports as one that reads no drop-ins (containerd before 2.1, whose
+// libcni predates them; TestCRIEveryInstallMode shows 1.6 does not run
+// one), drop-in mode writes nothing and says why; a runtime that reads
+// them, or one it cannot judge, gets the drop-in.
+func TestDropInNeedsARuntimeThatReadsThem(t *testing.T) {
+	list, _ := os.ReadFile(filepath.Join(corpusDir, "10-calico.conflist"))
+	for _, c := range []struct {
+		runtime string
+		refused bool
+	}{
+		{"containerd://1.6.20", true},
+		{"containerd://1.7.27", true},
+		{"containerd://v2.0.5", true},
+		{"containerd://2.1.0", false},
+		{"containerd://2.4.2", false},
+		{"containerd://3.0.0-beta.1", false},
+		{"cri-o://1.33.0", false}, // cannot judge: the drop-in goes in
+		{"containerd://unknown", false},
+		{"", false},
+	} {
+		n := newNode(t)
+		n.put(t, "10-calico.conflist", list, 0o644)
+		before := snapshot(t, n.conf)
+		in := n.installer(t, DropIn, "")
+		in.SetRuntime(c.runtime)
+		_, err := in.Install()
+		switch {
+		case c.refused && (err == nil || !strings.Contains(err.Error(), c.runtime) || !strings.Contains(err.Error(), "owned")):
+			t.Errorf("%q: %v, want a refusal naming the runtime and the mode to use", c.runtime, err)
+		case c.refused:
+			sameTree(t, "after a refused drop-in install on "+c.runtime, before, snapshot(t, n.conf))
+		case err != nil:
+			t.Errorf("%q: %v, want the drop-in written", c.runtime, err)
+		}
+	}
+}
+
+// TestDropInMakesTheRuntimeReload: a drop-in written or removed in a
+// network's dir that already exists (someone else's drop-in is there) is
+// followed by an event in the conf dir that containerd reloads on: it
+// watches the conf dir alone and ignores Create and Chmod events
+// (TestCRIEveryInstallMode shows the pod that is not captured, and the pod
+// that cannot start after an uninstall, without it).
+func TestDropInMakesTheRuntimeReload(t *testing.T) {
+	list, _ := os.ReadFile(filepath.Join(corpusDir, "10-calico.conflist"))
+	n := newNode(t)
+	n.put(t, "10-calico.conflist", list, 0o644)
+	if err := os.Mkdir(filepath.Join(n.conf, "k8s-pod-network"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	n.put(t, "k8s-pod-network/10-other.conf", []byte(`{"type": "tuning"}`), 0o644)
+	n.put(t, reloadName, nil, 0o600) // one a crash left
+	in := n.installer(t, DropIn, "")
+	for _, step := range []struct {
+		name string
+		do   func() error
+	}{
+		{"install", func() error { _, err := in.Install(); return err }},
+		{"uninstall", in.Uninstall},
+	} {
+		w, err := fsnotify.NewWatcher()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := w.Add(n.conf); err != nil {
+			t.Fatal(err)
+		}
+		if err := step.do(); err != nil {
+			t.Fatalf("%s: %v", step.name, err)
+		}
+		reload := false
+		for drained := false; !drained; {
+			select {
+			case ev := <-w.Events:
+				reload = reload || !(ev.Has(fsnotify.Create) || ev.Has(fsnotify.Chmod))
+			case <-time.After(100 * time.Millisecond):
+				drained = true
+			}
+		}
+		w.Close()
+		if !reload {
+			t.Errorf("%s of a drop-in: no event in the conf dir that containerd reloads on", step.name)
+		}
+		if _, err := os.Lstat(filepath.Join(n.conf, reloadName)); !errors.Is(err, fs.ErrNotExist) {
+			t.Errorf("%s left %s: %v", step.name, reloadName, err)
+		}
+	}
+	if _, err := os.Stat(filepath.Join(n.conf, "k8s-pod-network", "10-other.conf")); err != nil {
+		t.Errorf("someone else's drop-in: %v", err)
 	}
 }
 

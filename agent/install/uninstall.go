@@ -83,6 +83,12 @@ func (in *Installer) removeDropIns() error {
 		return err
 	}
 	var errs []error
+	removed := false
+	defer func() {
+		if removed {
+			in.reloadRuntimes()
+		}
+	}()
 	for _, e := range ents {
 		if !e.IsDir() { // a symlinked dir is not a dir here and is left alone
 			continue
@@ -95,6 +101,7 @@ func (in *Installer) removeDropIns() error {
 		}
 		in.log.Info("removing nftcni drop-in", "path", p)
 		errs = append(errs, atomicfile.RemoveFile(p))
+		removed = true
 		_ = os.Remove(dir) // only succeeds when empty: the dir was ours alone
 	}
 	return errors.Join(errs...)

@@ -333,6 +333,19 @@ func (c *Containerd) Ready() (runtime, network bool, reason string, err error) {
 	return runtime, network, reason, nil
 }
 
+// RuntimeVersion is the runtime as the kubelet writes it into its Node's
+// status.nodeInfo.containerRuntimeVersion: CRI Version's name and version,
+// name://version without a leading v.
+func (c *Containerd) RuntimeVersion() (string, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	v, err := c.Runtime.Version(ctx, &runtimeapi.VersionRequest{})
+	if err != nil {
+		return "", err
+	}
+	return v.GetRuntimeName() + "://" + strings.TrimPrefix(v.GetRuntimeVersion(), "v"), nil
+}
+
 // Log is containerd's log so far.
 func (c *Containerd) Log() string {
 	b, _ := os.ReadFile(filepath.Join(c.Dir, "containerd.log"))

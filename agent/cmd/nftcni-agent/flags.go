@@ -66,7 +66,7 @@ type common struct {
 	runDir, stateDir, logLevel, logFormat          string
 	pluginLogLevel                                 string
 	excludeNamespaces, podNamespace                string
-	standaloneCNIVersion                           string
+	standaloneCNIVersion, runtime                  string
 	statusRequiresAgent                            bool
 }
 
@@ -76,6 +76,7 @@ func (c *common) register(f *flagSet) {
 	f.str(&c.pluginBinary, "plugin-binary", "PLUGIN_BINARY", "", "nftcni plugin binary to install (default: nftcni beside this executable)")
 	f.str(&c.confName, "cni-conf-name", "CNI_CONF_NAME", "", "chained/owned/dropin: primary config file to use (default: the first valid one, as runtimes pick it); standalone/owned: our file's name when it ends in .conflist and the mode writes one")
 	f.str(&c.mode, "mode", "INSTALL_MODE", "chained", "chained | standalone | owned | dropin")
+	f.str(&c.runtime, "container-runtime", "CONTAINER_RUNTIME", "", "the node's container runtime as Kubernetes reports it (containerd://2.4.2); empty: read from the Node when on Kubernetes. Drop-in mode refuses a runtime that reads no drop-ins (containerd before 2.1)")
 	runDirFlag(f, &c.runDir)
 	f.str(&c.stateDir, "state-dir", "CNI_AGENT_STATE_DIR", "", "persistent host dir for what must outlive a reboot: the policy snapshot the plugin falls back on until the agent is back (the chart sets /var/lib/nftcni); empty: the run dir, which a reboot empties")
 	f.str(&c.logLevel, "log-level", "LOG_LEVEL", "info", "agent log level: debug | info | warn | error")

@@ -29,6 +29,7 @@ import (
 	"github.com/nftcni/nftcni/agent/health"
 	"github.com/nftcni/nftcni/agent/inspect"
 	"github.com/nftcni/nftcni/agent/install"
+	kubesrc "github.com/nftcni/nftcni/agent/kube"
 	"github.com/nftcni/nftcni/agent/node"
 	"github.com/nftcni/nftcni/agent/readiness"
 	"github.com/nftcni/nftcni/agent/runlock"
@@ -117,7 +118,7 @@ func newInstaller(c *common, log *slog.Logger, needBinary bool) (*install.Instal
 	}
 	cfg := install.Config{
 		ConfDir: c.confDir, BinDirs: c.bins(), ConfName: c.confName,
-		Mode: mode, Entry: entry, Log: log,
+		Mode: mode, Entry: entry, Runtime: c.runtime, Log: log,
 	}
 	if mode == install.Standalone {
 		if cfg.Standalone, err = templates.Standalone(vals, c.standaloneCNIVersion, "nftcni"); err != nil {
@@ -270,7 +271,26 @@ func runCmd(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
+	if in.Mode() == install.DropIn && c.runtime == "" && cfg.Kube != nil && cfg.NodeName != "" {
+		learnRuntime(ctx, in, cfg.Kube, cfg.NodeName, log)
+	}
 	return node.Run(ctx, node.Agent{Config: cfg, Installer: in, InstallMetrics: metrics, State: state,
 		Gate:             readiness.Config{Taint: r.gate.taint, Condition: r.gate.condition, Retaint: r.gate.retaint, Grace: r.gate.grace},
 		GateNeedsZtunnel: r.gate.needZtunnel, OnExit: onExit, DaemonSet: r.daemonSet, PodNamespace: c.podNamespace})
+}
+
+// learnRuntime tells the installer the node's container runtime as the
+// kubelet reported it, so that drop-in mode is refused where the runtime
+// would never read the drop-in. Without it, the mode goes ahead.
+func learnRuntime(ctx context.Context, in *install.Installer, kc kubesrc.API, nodeName string, log *slog.Logger) {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	n, err := kc.GetNode(ctx, nodeName)
+	if err != nil {
+		log.Warn("cannot read the node's container runtime; drop-in mode assumes it reads drop-ins (containerd 2.1 or later)", "node", nodeName, "err", err)
+		return
+	}
+	rt := n.Status.NodeInfo.ContainerRuntimeVersion
+	log.Info("container runtime", "node", nodeName, "runtime", rt)
+	in.SetRuntime(rt)
 }
