@@ -697,7 +697,11 @@ func containerd2(t *testing.T) containerdtest.Generation {
 
 // installChained imports the test images and the nftcni image into the
 // node and installs the chart in chained mode, until the agent is ready.
-func installChained(t *testing.T, n *nodetest.Node) {
+func installChained(t *testing.T, n *nodetest.Node) { t.Helper(); installInMode(t, n, "chained") }
+
+// installInMode installs the chart in an install mode with the image
+// `make image` built, and waits for the agent to be Ready.
+func installInMode(t *testing.T, n *nodetest.Node, mode string) {
 	t.Helper()
 	for name, archive := range nodeImages(t) {
 		n.Import(name, archive)
@@ -705,10 +709,10 @@ func installChained(t *testing.T, n *nodetest.Node) {
 	image, imageValues := nftcniImage(t)
 	n.Import("nftcni", image)
 	chart, _ := filepath.Abs("../deploy/charts/nftcni")
-	values := append(imageValues, "--set", "pullPolicy=Never", "--set", "installMode=chained",
+	values := append(imageValues, "--set", "pullPolicy=Never", "--set", "installMode="+mode,
 		"--set", "cniBinDir="+n.BinDir, "--set", "cniConfDir="+n.ConfDir)
 	if out, err := n.Helm(append([]string{"install", "nftcni", chart, "--namespace", "kube-system", "--wait", "--timeout", "120s"}, values...)...); err != nil {
-		t.Fatalf("helm install in chained mode: %v\n%s", err, out)
+		t.Fatalf("helm install in %s mode: %v\n%s", mode, err, out)
 	}
 	waitDaemonSetPodReady(t, n, "kube-system", "k8s-app=nftcni-node")
 }
