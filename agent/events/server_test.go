@@ -20,6 +20,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"golang.org/x/sys/unix"
 
+	"github.com/nftcni/nftcni/internal/testnet"
 	"github.com/nftcni/nftcni/internal/unixsock"
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/nft/nlsend"
@@ -211,9 +212,7 @@ func TestListenRefusesToReplaceNonSocket(t *testing.T) {
 // Even when the socket's mode lets anyone connect, a non-root peer is cut
 // off before any request is read.
 func TestNonRootPeerRefused(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("running a client as another uid needs root")
-	}
+	testnet.RequireRoot(t)
 	dir, err := os.MkdirTemp("", "nftcni-events")
 	if err != nil {
 		t.Fatal(err)

@@ -22,6 +22,7 @@ import (
 
 	"github.com/nftcni/nftcni/conflist"
 	"github.com/nftcni/nftcni/internal/atomicfile"
+	"github.com/nftcni/nftcni/internal/testnet"
 	"github.com/nftcni/nftcni/templates"
 )
 
@@ -298,9 +299,7 @@ func TestSymlinkedPrimaryIsNotWrittenThrough(t *testing.T) {
 }
 
 func TestOwnerAndModeAreKept(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root to chown")
-	}
+	testnet.RequireRoot(t)
 	n := newNode(t)
 	orig, _ := os.ReadFile(filepath.Join(corpusDir, "10-calico.conflist"))
 	n.put(t, "10-calico.conflist", orig, 0o600)
@@ -469,9 +468,7 @@ func TestReadersNeverSeeAPartialFile(t *testing.T) {
 }
 
 func TestReadOnlyBinDirGivesAHint(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root to mount")
-	}
+	testnet.RequireRoot(t)
 	n := newNode(t)
 	if err := syscall.Mount("tmpfs", n.bin, "tmpfs", syscall.MS_RDONLY, "size=1m"); err != nil {
 		t.Skipf("cannot mount a read-only tmpfs here: %v", err)

@@ -26,11 +26,16 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// RequireRoot skips a test that needs root and network namespaces.
+// RequireRoot skips a test that needs root (network namespaces, mounts,
+// another UID) when not root, and under -short: `make unit` runs the
+// tests that need neither.
 func RequireRoot(t testing.TB) {
 	t.Helper()
-	if os.Geteuid() != 0 {
+	switch {
+	case os.Geteuid() != 0:
 		t.Skip("needs root for network namespaces")
+	case testing.Short():
+		t.Skip("needs root and network namespaces: not a unit test (-short)")
 	}
 }
 
@@ -45,6 +50,7 @@ type NS struct {
 // NewNS creates a namespace with lo up, removed at cleanup.
 func NewNS(t testing.TB, prefix string) *NS {
 	t.Helper()
+	RequireRoot(t)
 	b := make([]byte, 4)
 	_, _ = rand.Read(b)
 	name := prefix + "-" + hex.EncodeToString(b)

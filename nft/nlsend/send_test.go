@@ -7,6 +7,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/nftcni/nftcni/internal/testnet"
 	"golang.org/x/sys/unix"
 )
 
@@ -70,9 +71,7 @@ func TestSpliceReplaceGoesAfterTheBatchBegin(t *testing.T) {
 // when they are netlink sockets of the protocols asked for, made in the
 // pod's netns.
 func TestCheckSocketsRefusesAnotherNetns(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("entering a netns needs root")
-	}
+	testnet.RequireRoot(t)
 	pod := newNetns(t)
 	self, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
 	if err != nil {
@@ -111,9 +110,7 @@ func TestCheckSocketsRefusesAnotherNetns(t *testing.T) {
 // TestDialHereComesBack: DialHere makes the sockets in the pod's netns on
 // the caller's own thread, and that thread is back in its own netns after.
 func TestDialHereComesBack(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("entering a netns needs root")
-	}
+	testnet.RequireRoot(t)
 	pod := newNetns(t)
 	runtime.LockOSThread() // the thread checked below is the one DialHere uses
 	defer runtime.UnlockOSThread()

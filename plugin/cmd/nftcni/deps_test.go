@@ -14,7 +14,7 @@ import (
 // containernetworking/cni's types, a net.Conn) or log/slog (about 6, with
 // log and context): it writes its own CNI errors and JSON log records.
 func TestLinksNoEncoder(t *testing.T) {
-	out, err := exec.Command("go", "list", "-deps", ".").CombinedOutput()
+	out, err := exec.Command("go", "list", "-buildvcs=false", "-deps", ".").CombinedOutput()
 	if err != nil {
 		t.Fatalf("go list: %v\n%s", err, out)
 	}
