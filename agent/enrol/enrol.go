@@ -202,8 +202,15 @@ func none(reason string) *enablement.Decision {
 }
 
 func (e *Enroller) workload(p *pod) zds.WorkloadInfo {
-	info := zds.WorkloadInfo{Name: p.id.Name, Namespace: p.id.Namespace, ServiceAccount: "default"}
-	if kp := e.store.Pod(p.id.Namespace, p.id.Name); kp != nil && kp.Spec.ServiceAccountName != "" {
+	return workloadInfo(p.id.Namespace, p.id.Name, e.store.Pod(p.id.Namespace, p.id.Name))
+}
+
+// workloadInfo is what ztunnel is told of a pod: its name, namespace and
+// service account (Kubernetes' "default" when the pod, or its spec, is
+// not known).
+func workloadInfo(namespace, name string, kp *corev1.Pod) zds.WorkloadInfo {
+	info := zds.WorkloadInfo{Name: name, Namespace: namespace, ServiceAccount: "default"}
+	if kp != nil && kp.Spec.ServiceAccountName != "" {
 		info.ServiceAccount = kp.Spec.ServiceAccountName
 	}
 	return info

@@ -12,7 +12,6 @@ import (
 
 	"github.com/nftcni/nftcni/agent/enablement"
 	"github.com/nftcni/nftcni/agent/records"
-	"github.com/nftcni/nftcni/agent/zds"
 	"github.com/nftcni/nftcni/internal/netnsaddr"
 	"github.com/nftcni/nftcni/istio"
 	"github.com/nftcni/nftcni/nft"
@@ -282,11 +281,7 @@ func (e *Enroller) keepInZtunnel(kp *corev1.Pod) {
 	if e.opts.Ztunnel == nil || kp.UID == "" {
 		return
 	}
-	info := zds.WorkloadInfo{Name: kp.Name, Namespace: kp.Namespace, ServiceAccount: kp.Spec.ServiceAccountName}
-	if info.ServiceAccount == "" {
-		info.ServiceAccount = "default"
-	}
-	e.opts.Ztunnel.Track(string(kp.UID), info, nil)
+	e.opts.Ztunnel.Track(string(kp.UID), workloadInfo(kp.Namespace, kp.Name, kp), nil)
 }
 
 // adopt enrols a running pod found through /proc, its rules verified and
