@@ -46,13 +46,21 @@ func BenchmarkInstallNoop(b *testing.B) {
 	}
 }
 
-// BenchmarkRepairLatency measures, with the agent's default debounce, the
-// time from another writer replacing the primary config to our entry being
-// back (rate limiting lifted: it only matters in a fight).
+// BenchmarkRepairLatency measures the time from another writer replacing
+// the primary config to our entry being back (rate limiting lifted: it
+// only matters in a fight), with the agent's default debounce and with
+// the 10 ms it had before (a shell loop over -count 1 interleaves them).
 func BenchmarkRepairLatency(b *testing.B) {
+	for _, debounce := range []time.Duration{DefaultLoopConfig().Debounce, 10 * time.Millisecond} {
+		b.Run("debounce="+debounce.String(), func(b *testing.B) { benchRepair(b, debounce) })
+	}
+}
+
+func benchRepair(b *testing.B, debounce time.Duration) {
 	n, in, orig := benchNode(b)
 	lc := DefaultLoopConfig()
 	lc.RepairRate, lc.RepairBurst = rate.Inf, 1
+	lc.Debounce = debounce
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { _ = in.Run(ctx, lc, nil, nil); close(done) }()

@@ -41,7 +41,7 @@ type LoopConfig struct {
 // DefaultLoopConfig is what the agent runs with.
 func DefaultLoopConfig() LoopConfig {
 	return LoopConfig{
-		Debounce:     10 * time.Millisecond,
+		Debounce:     2 * time.Millisecond,
 		MaxDebounce:  200 * time.Millisecond,
 		Resync:       time.Minute,
 		RetryBackoff: 2 * time.Second,
