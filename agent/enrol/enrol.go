@@ -131,6 +131,9 @@ type Options struct {
 	// a pod the store does not have yet (informer lag for a pod the
 	// scheduler bound a moment ago); 0: 10.
 	LookupRetries int
+	// AdoptConcurrency is how many pods AdoptAnnotated takes over at once;
+	// 0: DefaultAdoptConcurrency.
+	AdoptConcurrency int
 }
 
 // Enroller implements events.Handler.
@@ -165,6 +168,9 @@ func New(opts Options) *Enroller {
 	}
 	if opts.Metrics == nil {
 		opts.Metrics = NewMetrics(nil)
+	}
+	if opts.AdoptConcurrency <= 0 {
+		opts.AdoptConcurrency = DefaultAdoptConcurrency
 	}
 	if opts.LookupRetries == 0 {
 		opts.LookupRetries = 10

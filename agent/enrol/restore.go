@@ -183,7 +183,7 @@ func (e *Enroller) AdoptAnnotated(ctx context.Context) (adopted, kept, cleared i
 	var mu sync.Mutex
 	var wg sync.WaitGroup
 	work := make(chan *corev1.Pod)
-	for range adoptConcurrency {
+	for range e.opts.AdoptConcurrency {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -213,8 +213,8 @@ func (e *Enroller) AdoptAnnotated(ctx context.Context) (adopted, kept, cleared i
 	return adopted, kept, cleared
 }
 
-// adoptConcurrency is how many annotated pods are adopted at once.
-const adoptConcurrency = 8
+// DefaultAdoptConcurrency is how many annotated pods are adopted at once.
+const DefaultAdoptConcurrency = 8
 
 type adoptOutcome int
 

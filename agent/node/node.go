@@ -65,6 +65,9 @@ type Config struct {
 	// VerifyConcurrency how many pods it checks at once.
 	VerifyEvery       time.Duration
 	VerifyConcurrency int
+	// AdoptConcurrency is how many pods istio-cni enrolled are taken over
+	// at once at start; 0: enrol.DefaultAdoptConcurrency.
+	AdoptConcurrency int
 	// HostGuardEvery is how often the host probe table is checked.
 	HostGuardEvery time.Duration
 	// LookupRetries bounds the wait for a pod the store does not have yet
@@ -178,7 +181,7 @@ func Start(ctx context.Context, cfg Config) (_ *Node, err error) {
 	}
 	opts := enrol.Options{Policy: cfg.Policy, Log: log, Probes: n.Host, Records: recs,
 		Finder: &procscan.Scanner{Proc: proc, Host: hostNetns}, Metrics: enrol.NewMetrics(cfg.Registry),
-		LookupRetries: cfg.LookupRetries}
+		LookupRetries: cfg.LookupRetries, AdoptConcurrency: cfg.AdoptConcurrency}
 	var zl *net.UnixListener
 	if cfg.ZtunnelSocket != "" {
 		if zl, err = zds.Listen(cfg.ZtunnelSocket, cfg.socketWait()); err != nil {

@@ -19,6 +19,8 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync"
+	"time"
 
 	"github.com/nftcni/nftcni/internal/netnsaddr"
 	"golang.org/x/sys/unix"
@@ -45,12 +47,25 @@ func UIDFromCgroup(text string) string {
 	return ""
 }
 
-// Scanner walks a /proc tree.
+// Scanner walks a /proc tree. One walk indexes every pod's processes by
+// pod UID, and serves the Finds that follow for up to a second: at a
+// start that adopts hundreds of pods, a walk per pod (reading every
+// process's cgroup file each time) was the whole cost of the handover.
+// A pod not in the index, or whose indexed processes are gone, is looked
+// for in a fresh walk; a candidate's cgroup is read again before its netns
+// is taken, so a PID reused since the walk is never mistaken for the pod.
 type Scanner struct {
 	Proc string // "/proc", or a test's copy
 	// Host is the host netns; a process in it is never taken for a pod's.
 	Host *os.File
+
+	mu      sync.Mutex
+	index   map[string][]string // pod UID -> /proc/<pid> dirs
+	indexed time.Time           // when the walk that made index began
 }
+
+// indexMaxAge is how long one walk of /proc serves Finds.
+const indexMaxAge = time.Second
 
 // Find returns an open descriptor of the pod's netns.
 func (s *Scanner) Find(uid string, ips []netip.Addr) (*os.File, error) {
@@ -63,23 +78,78 @@ func (s *Scanner) Find(uid string, ips []netip.Addr) (*os.File, error) {
 			return nil, err
 		}
 	}
+	asked := time.Now()
+	dirs, fresh, err := s.processes(uid, time.Time{})
+	if err != nil {
+		return nil, err
+	}
+	if f := s.netnsOf(uid, ips, dirs, &host, map[uint64]bool{}); f != nil {
+		return f, nil
+	}
+	if !fresh { // the pod may have started since the walk
+		if dirs, _, err = s.processes(uid, asked); err != nil {
+			return nil, err
+		}
+		if f := s.netnsOf(uid, ips, dirs, &host, map[uint64]bool{}); f != nil {
+			return f, nil
+		}
+	}
+	return nil, fmt.Errorf("%w (uid %s, %v)", ErrNotFound, uid, ips)
+}
+
+// processes is the pod's /proc/<pid> dirs from a walk that began after
+// notBefore and is less than indexMaxAge old, walking again if there is
+// none; fresh says whether this call walked.
+func (s *Scanner) processes(uid string, notBefore time.Time) (dirs []string, fresh bool, err error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.index == nil || s.indexed.Before(notBefore) || time.Since(s.indexed) > indexMaxAge {
+		began := time.Now()
+		index, err := s.walk()
+		if err != nil {
+			return nil, false, err
+		}
+		s.index, s.indexed, fresh = index, began, true
+	}
+	return s.index[uid], fresh, nil
+}
+
+// walk reads every process's cgroup once and indexes pods' processes.
+func (s *Scanner) walk() (map[string][]string, error) {
 	ents, err := os.ReadDir(s.Proc)
 	if err != nil {
 		return nil, err
 	}
-	tried := map[uint64]bool{} // netns inodes already checked
+	index := map[string][]string{}
 	for _, e := range ents {
 		if _, err := strconv.Atoi(e.Name()); err != nil {
 			continue
 		}
 		dir := filepath.Join(s.Proc, e.Name())
 		cg, err := os.ReadFile(filepath.Join(dir, "cgroup"))
-		if err != nil || UIDFromCgroup(string(cg)) != uid {
+		if err != nil {
 			continue
 		}
+		if uid := UIDFromCgroup(string(cg)); uid != "" {
+			index[uid] = append(index[uid], dir)
+		}
+	}
+	return index, nil
+}
+
+// netnsOf opens the netns of the first of dirs that is still the pod's
+// process, is not the host's netns, and holds one of ips; tried holds the
+// netns inodes already checked.
+func (s *Scanner) netnsOf(uid string, ips []netip.Addr, dirs []string, host *unix.Stat_t, tried map[uint64]bool) *os.File {
+	for _, dir := range dirs {
 		f, err := os.Open(filepath.Join(dir, "ns", "net"))
 		if err != nil {
 			continue // the process exited, or is not ours to see
+		}
+		// Still the pod's: the PID was not reused since the walk.
+		if cg, err := os.ReadFile(filepath.Join(dir, "cgroup")); err != nil || UIDFromCgroup(string(cg)) != uid {
+			f.Close()
+			continue
 		}
 		var st unix.Stat_t
 		if unix.Fstat(int(f.Fd()), &st) != nil || tried[st.Ino] || (s.Host != nil && st.Dev == host.Dev && st.Ino == host.Ino) {
@@ -88,9 +158,9 @@ func (s *Scanner) Find(uid string, ips []netip.Addr) (*os.File, error) {
 		}
 		tried[st.Ino] = true
 		if netnsaddr.Holds(f, ips...) {
-			return f, nil
+			return f
 		}
 		f.Close()
 	}
-	return nil, fmt.Errorf("%w (uid %s, %v)", ErrNotFound, uid, ips)
+	return nil
 }

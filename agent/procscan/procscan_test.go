@@ -69,3 +69,37 @@ func TestFind(t *testing.T) {
 		t.Errorf("host netns accepted: %v", err)
 	}
 }
+
+// A pod whose process started after the walk that serves Finds is found
+// all the same: a miss walks /proc again. One walk serves many pods.
+func TestFindAfterTheWalk(t *testing.T) {
+	testnet.RequireRoot(t)
+	const first, later = "6b1e0d2a-1111-4222-8333-944455550001", "6b1e0d2a-1111-4222-8333-944455550002"
+	p := testnet.NewPair(t, 32)
+	testnet.PodProcess(t, p.Pod, first)
+	s := &Scanner{Proc: "/proc"}
+	f, err := s.Find(first, []netip.Addr{p.PodIP4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	walked := s.indexed
+	q := testnet.NewPair(t, 33)
+	testnet.PodProcess(t, q.Pod, later)
+	f, err = s.Find(later, []netip.Addr{q.PodIP4})
+	if err != nil {
+		t.Fatalf("a pod started after the walk: %v", err)
+	}
+	f.Close()
+	if !s.indexed.After(walked) {
+		t.Error("the miss did not walk /proc again")
+	}
+	walked = s.indexed
+	if f, err = s.Find(first, []netip.Addr{p.PodIP4}); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	if !s.indexed.Equal(walked) {
+		t.Error("a pod in a second-old walk made another walk")
+	}
+}
