@@ -39,11 +39,7 @@ func TestNodeMultus(t *testing.T) {
 	}
 	n := nodetest.Start(t, gen)
 	ctx := context.Background()
-	for name, archive := range nodeImages(t) {
-		n.Import(name, archive)
-	}
-	image, imageValues := nftcniImage(t)
-	n.Import("nftcni", image)
+	imageValues := importImages(t, n)
 
 	// Multus as the node's CNI.
 	if err := os.WriteFile(filepath.Join(n.BinDir, "multus"), bin, 0o755); err != nil {

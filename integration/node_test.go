@@ -110,11 +110,7 @@ func TestNode(t *testing.T) {
 func testNode(t *testing.T, gen containerdtest.Generation) {
 	n := nodetest.Start(t, gen)
 	ctx := context.Background()
-	for name, archive := range nodeImages(t) {
-		n.Import(name, archive)
-	}
-	image, imageValues := nftcniImage(t)
-	n.Import("nftcni", image)
+	imageValues := importImages(t, n)
 	// A new node carries Istio's not-ready taint (as kubelet
 	// --register-with-taints sets it): the real scheduler must place the
 	// agent on it, and nothing else until the agent removes it.
@@ -697,17 +693,25 @@ func containerd2(t *testing.T) containerdtest.Generation {
 
 // installChained imports the test images and the nftcni image into the
 // node and installs the chart in chained mode, until the agent is ready.
-func installChained(t *testing.T, n *nodetest.Node) { t.Helper(); installInMode(t, n, "chained") }
-
-// installInMode installs the chart in an install mode with the image
-// `make image` built, and waits for the agent to be Ready.
-func installInMode(t *testing.T, n *nodetest.Node, mode string) {
+// importImages loads the node tests' workload images and the nftcni image
+// into the node, and returns the chart values that name the latter.
+func importImages(t *testing.T, n *nodetest.Node) []string {
 	t.Helper()
 	for name, archive := range nodeImages(t) {
 		n.Import(name, archive)
 	}
 	image, imageValues := nftcniImage(t)
 	n.Import("nftcni", image)
+	return imageValues
+}
+
+func installChained(t *testing.T, n *nodetest.Node) { t.Helper(); installInMode(t, n, "chained") }
+
+// installInMode installs the chart in an install mode with the image
+// `make image` built, and waits for the agent to be Ready.
+func installInMode(t *testing.T, n *nodetest.Node, mode string) {
+	t.Helper()
+	imageValues := importImages(t, n)
 	chart, _ := filepath.Abs("../deploy/charts/nftcni")
 	values := append(imageValues, "--set", "pullPolicy=Never", "--set", "installMode="+mode,
 		"--set", "cniBinDir="+n.BinDir, "--set", "cniConfDir="+n.ConfDir)
