@@ -139,8 +139,8 @@ $(CNI_BIN)/.complete:
 	GOBIN=$(CNI_BIN) $(GO) install -trimpath -ldflags '-s -w' github.com/containernetworking/cni/cnitool@$(CNI_VERSION)
 	touch $@
 
-bench: deps build cni-plugins k8s-bins containerd-bins istio-bins
-	./hack/bench.sh
+bench: deps build image cni-plugins k8s-bins containerd-bins helm istio-bins
+	NFTCNI_IMAGE=$(CURDIR)/$(BIN)/nftcni-image.oci.tar NFTCNI_IMAGE_REF=$(IMAGE) ./hack/bench.sh
 
 demo: deps build cni-plugins
 	./hack/demo.sh

@@ -24,6 +24,9 @@ go test -run '^$' -bench 'RunPodSandbox' -benchtime 150x -count=1 -timeout 30m .
 go test -run '^$' -bench 'AgentRestart500' -benchtime 3x -count=1 -timeout 30m ./integration | tee -a "$out"
 # The live handover from Istio's own agent: 20 pods per backend, 500 pods.
 go test -run '^$' -bench 'IstioHandover' -benchtime 1x -count=1 -timeout 30m ./integration | tee -a "$out"
+# Bursts of 50 and 100 pods on a real node (kubelet, containerd 2.x), the
+# bare node against nftcni, three rounds each, alternating (about 20 minutes).
+go test -run '^$' -bench 'NodeBurst' -benchtime 3x -count=1 -timeout 60m ./integration | tee -a "$out"
 
 ns() { awk -v n="$1" '$1 ~ n {for (i=1;i<=NF;i++) if ($(i+1)=="ns/op") {print $i; exit}}' "$out"; }
 ratio() { # name-of-comparison name-of-ours
@@ -154,4 +157,13 @@ for size in 20-iptables 20-nftables 500-nftables; do
 	[ -n "$(hm handover-ms)" ] || continue
 	printf "  live handover from istio-cni, %-13s nftcni's start to serving, every pod taken over: %8s ms (%s ms per pod)\n" \
 		"$size:" "$(hm handover-ms)" "$(hm per-pod-ms)"
+done
+for size in 50 100; do
+	bm() { m "BenchmarkNodeBurst/$size" "$1"; }
+	[ -n "$(bm p99-nftcni/bare)" ] || continue
+	printf "  burst of %3s pods on a real node, creation to running, ms:  p50 / p90 / p99 (kubelet SLI p50 / p99, bucket bounds)\n" "$size"
+	for v in bare nftcni; do
+		printf "    %-8s %8s / %8s / %8s   (%s / %s)\n" "$v" "$(bm $v-ms-p50)" "$(bm $v-ms-p90)" "$(bm $v-ms-p99)" "$(bm $v-sli-ms-p50)" "$(bm $v-sli-ms-p99)"
+	done
+	printf "    p99 nftcni / bare: %sx (median over rounds; 90%% of round resamples %s-%sx)\n" "$(bm p99-nftcni/bare)" "$(bm p99-nftcni/bare-p5)" "$(bm p99-nftcni/bare-p95)"
 done

@@ -41,7 +41,7 @@ const (
 
 // nodeImages builds the test's two images from the test binaries: the
 // workload and ztunnel's stand-in (nftcni's is nftcniImage).
-func nodeImages(t *testing.T) map[string][]byte {
+func nodeImages(t testing.TB) map[string][]byte {
 	t.Helper()
 	read := func(name string) []byte {
 		b, err := os.ReadFile(filepath.Join(binDir, name))
@@ -75,7 +75,7 @@ func nodeImages(t *testing.T) map[string][]byte {
 // ($NFTCNI_IMAGE, named $NFTCNI_IMAGE_REF; make test passes both), or, run
 // without make, the same program (hack/mkimage) on the test's binaries. It
 // returns the archive and the chart values that name it.
-func nftcniImage(t *testing.T) ([]byte, []string) {
+func nftcniImage(t testing.TB) ([]byte, []string) {
 	t.Helper()
 	path, ref := os.Getenv("NFTCNI_IMAGE"), os.Getenv("NFTCNI_IMAGE_REF")
 	if path == "" {
@@ -394,7 +394,7 @@ func testNode(t *testing.T, gen containerdtest.Generation) {
 	})
 }
 
-func mkNamespace(t *testing.T, n *nodetest.Node, name string, labels map[string]string) {
+func mkNamespace(t testing.TB, n *nodetest.Node, name string, labels map[string]string) {
 	t.Helper()
 	_, err := n.Client.CoreV1().Namespaces().Create(context.Background(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}, metav1.CreateOptions{})
 	if err != nil {
@@ -596,7 +596,7 @@ func daemonSetPodReady(n *nodetest.Node, ns, selector string) string {
 	return ""
 }
 
-func waitDaemonSetPodReady(t *testing.T, n *nodetest.Node, ns, selector string) string {
+func waitDaemonSetPodReady(t testing.TB, n *nodetest.Node, ns, selector string) string {
 	t.Helper()
 	var name string
 	n.WaitFor(fmt.Sprintf("a Ready pod %s in %s", selector, ns), 120*time.Second, func() bool {
@@ -608,7 +608,7 @@ func waitDaemonSetPodReady(t *testing.T, n *nodetest.Node, ns, selector string) 
 
 // deployZtunnel runs the stand-in as ztunnel's chart runs ztunnel: a
 // DaemonSet in istio-system with the host's ZDS socket dir mounted.
-func deployZtunnel(t *testing.T, n *nodetest.Node) {
+func deployZtunnel(t testing.TB, n *nodetest.Node) {
 	t.Helper()
 	mkNamespace(t, n, "istio-system", nil)
 	priv := true
@@ -680,7 +680,7 @@ func askApp(t *testing.T, n *nodetest.Node, podIP, path string) string {
 
 // containerd2 is the containerd 2.x generation the one-runtime node tests
 // use; without one the test skips.
-func containerd2(t *testing.T) containerdtest.Generation {
+func containerd2(t testing.TB) containerdtest.Generation {
 	t.Helper()
 	for _, g := range containerdtest.Generations(t) {
 		if g.V2 {
@@ -691,11 +691,9 @@ func containerd2(t *testing.T) containerdtest.Generation {
 	return containerdtest.Generation{}
 }
 
-// installChained imports the test images and the nftcni image into the
-// node and installs the chart in chained mode, until the agent is ready.
 // importImages loads the node tests' workload images and the nftcni image
 // into the node, and returns the chart values that name the latter.
-func importImages(t *testing.T, n *nodetest.Node) []string {
+func importImages(t testing.TB, n *nodetest.Node) []string {
 	t.Helper()
 	for name, archive := range nodeImages(t) {
 		n.Import(name, archive)
@@ -705,13 +703,20 @@ func importImages(t *testing.T, n *nodetest.Node) []string {
 	return imageValues
 }
 
+// installChained imports the test images and the nftcni image into the
+// node and installs the chart in chained mode, until the agent is ready.
 func installChained(t *testing.T, n *nodetest.Node) { t.Helper(); installInMode(t, n, "chained") }
 
-// installInMode installs the chart in an install mode with the image
-// `make image` built, and waits for the agent to be Ready.
-func installInMode(t *testing.T, n *nodetest.Node, mode string) {
+// installInMode is installChained in another install mode.
+func installInMode(t testing.TB, n *nodetest.Node, mode string) {
 	t.Helper()
-	imageValues := importImages(t, n)
+	helmInstall(t, n, importImages(t, n), mode)
+}
+
+// helmInstall installs the chart in an install mode with the image that
+// imageValues name, and waits for the agent to be Ready.
+func helmInstall(t testing.TB, n *nodetest.Node, imageValues []string, mode string) {
+	t.Helper()
 	chart, _ := filepath.Abs("../deploy/charts/nftcni")
 	values := append(imageValues, "--set", "pullPolicy=Never", "--set", "installMode="+mode,
 		"--set", "cniBinDir="+n.BinDir, "--set", "cniConfDir="+n.ConfDir)

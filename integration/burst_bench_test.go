@@ -1,0 +1,277 @@
+package integration
+
+import (
+	"bufio"
+	"context"
+	"crypto/tls"
+	"fmt"
+	"math"
+	"net/http"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/watch"
+
+	"github.com/nftcni/nftcni/integration/nodetest"
+)
+
+// BenchmarkNodeBurst: N pods created at once in an ambient namespace on a
+// real node (kubelet, containerd 2.x, the scheduler bypassed as the other
+// node tests do), timed from each pod's creation to its container running
+// — what the kubelet's pod start-up SLI measures, image pulls excluded —
+// on the bare node (the primary alone) and with nftcni (the chart, the
+// ztunnel stand-in enrolling every pod), alternating per round
+// (-benchtime Nx: N rounds of each). Reported per variant: p50, p90 and
+// p99 in ms over every pod of every round, the kubelet's own
+// kubelet_pod_start_sli_duration_seconds (its histogram's quantiles,
+// bucket bounds), and nftcni's p99 over the bare node's, the median over
+// rounds with its bootstrap interval. Istio's CNI is not a variant yet.
+func BenchmarkNodeBurst(b *testing.B) {
+	gen := containerd2(b)
+	n := nodetest.Start(b, gen)
+	imageValues := importImages(b, n)
+	deployZtunnel(b, n)
+	waitDaemonSetPodReady(b, n, "istio-system", "app=ztunnel")
+	mkNamespace(b, n, "burst", map[string]string{"istio.io/dataplane-mode": "ambient"})
+	kubelet := kubeletMetrics(n)
+	for _, size := range []int{50, 100} {
+		b.Run(fmt.Sprint(size), func(b *testing.B) {
+			pods := map[string][]time.Duration{}    // variant -> every pod's start
+			p99s := map[string][]time.Duration{}    // variant -> each round's p99
+			sli := map[string]map[float64]float64{} // variant -> histogram bucket deltas
+			for round := 0; round < b.N; round++ {
+				order := []string{"bare", "nftcni"}
+				if round%2 == 1 {
+					slices.Reverse(order)
+				}
+				for _, v := range order {
+					if v == "nftcni" {
+						helmInstall(b, n, imageValues, "chained")
+					}
+					before := kubelet(b)
+					starts := burst(b, n, "burst", fmt.Sprintf("r%d", round), size)
+					sli[v] = addBuckets(sli[v], subBuckets(kubelet(b), before))
+					pods[v] = append(pods[v], starts...)
+					p99s[v] = append(p99s[v], quantile(starts, 0.99))
+					if v == "nftcni" {
+						helmUninstall(b, n)
+					}
+				}
+			}
+			for _, v := range []string{"bare", "nftcni"} {
+				b.ReportMetric(ms(quantile(pods[v], 0.5)), v+"-ms-p50")
+				b.ReportMetric(ms(quantile(pods[v], 0.9)), v+"-ms-p90")
+				b.ReportMetric(ms(quantile(pods[v], 0.99)), v+"-ms-p99")
+				b.ReportMetric(bucketQuantile(sli[v], 0.5)*1e3, v+"-sli-ms-p50")
+				b.ReportMetric(bucketQuantile(sli[v], 0.99)*1e3, v+"-sli-ms-p99")
+			}
+			r, lo, hi := addedRatio(p99s, "nftcni", "bare", "")
+			b.ReportMetric(r, "p99-nftcni/bare")
+			b.ReportMetric(lo, "p99-nftcni/bare-p5")
+			b.ReportMetric(hi, "p99-nftcni/bare-p95")
+			b.Logf("%d pods at once, %d rounds: p99 nftcni/bare %.3fx (90%% of round resamples %.3f–%.3fx)", size, b.N, r, lo, hi)
+		})
+	}
+}
+
+// burst creates size pods at once and returns, for each, the time from
+// its creation to its container running, then deletes them and waits
+// until they are gone.
+func burst(b *testing.B, n *nodetest.Node, ns, prefix string, size int) []time.Duration {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var mu sync.Mutex
+	created := map[string]time.Time{}
+	running := map[string]time.Time{}
+	// seen notes a pod's container running, and says whether all are.
+	seen := func(p *corev1.Pod) bool {
+		mu.Lock()
+		defer mu.Unlock()
+		if _, ok := running[p.Name]; !ok && len(p.Status.ContainerStatuses) == 1 && p.Status.ContainerStatuses[0].State.Running != nil {
+			running[p.Name] = time.Now()
+		}
+		return len(running) == size
+	}
+	// The API server ends a watch when it likes: list, then watch from
+	// the list's version, until every pod has been seen running.
+	list, err := n.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	w, err := n.Client.CoreV1().Pods(ns).Watch(ctx, metav1.ListOptions{ResourceVersion: list.ResourceVersion})
+	if err != nil {
+		b.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			for ev := range w.ResultChan() {
+				if p, ok := ev.Object.(*corev1.Pod); ok && ev.Type != watch.Deleted && seen(p) {
+					w.Stop()
+					return
+				}
+			}
+			if ctx.Err() != nil {
+				return
+			}
+			list, err := n.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
+			if err != nil {
+				time.Sleep(100 * time.Millisecond)
+				continue
+			}
+			all := false
+			for i := range list.Items {
+				all = seen(&list.Items[i])
+			}
+			if all {
+				return
+			}
+			if w, err = n.Client.CoreV1().Pods(ns).Watch(ctx, metav1.ListOptions{ResourceVersion: list.ResourceVersion}); err != nil {
+				w = watch.NewEmptyWatch()
+				time.Sleep(100 * time.Millisecond)
+			}
+		}
+	}()
+	var wg sync.WaitGroup
+	for i := range size {
+		name := fmt.Sprintf("%s-%d", prefix, i)
+		pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns}, Spec: corev1.PodSpec{
+			NodeName:                      nodetest.NodeName,
+			TerminationGracePeriodSeconds: ptr(int64(1)),
+			Containers:                    []corev1.Container{{Name: "app", Image: appImage, ImagePullPolicy: corev1.PullNever}},
+		}}
+		wg.Add(1)
+		go func() { // as a ReplicaSet controller creates them: concurrently
+			defer wg.Done()
+			mu.Lock()
+			created[name] = time.Now()
+			mu.Unlock()
+			if _, err := n.Client.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+				b.Error(err)
+			}
+		}()
+	}
+	wg.Wait()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Minute):
+		b.Fatalf("%d of %d pods running after 5 minutes", len(running), size)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(running) != size {
+		b.Fatalf("the watch ended with %d of %d pods seen running", len(running), size)
+	}
+	var starts []time.Duration
+	for name, at := range running {
+		starts = append(starts, at.Sub(created[name]))
+	}
+	if err := n.Client.CoreV1().Pods(ns).DeleteCollection(ctx, metav1.DeleteOptions{GracePeriodSeconds: ptr(int64(0))}, metav1.ListOptions{}); err != nil {
+		b.Fatal(err)
+	}
+	n.WaitFor("the burst's pods gone", 5*time.Minute, func() bool {
+		l, err := n.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
+		return err == nil && len(l.Items) == 0
+	})
+	return starts
+}
+
+// helmUninstall removes the chart and waits for the agent's pod to go.
+func helmUninstall(t testing.TB, n *nodetest.Node) {
+	t.Helper()
+	if out, err := n.Helm("uninstall", "nftcni", "--namespace", "kube-system", "--wait", "--timeout", "120s"); err != nil {
+		t.Fatalf("helm uninstall: %v\n%s", err, out)
+	}
+	n.WaitFor("the agent's pod gone", 120*time.Second, func() bool {
+		l, err := n.Client.CoreV1().Pods("kube-system").List(context.Background(), metav1.ListOptions{LabelSelector: "k8s-app=nftcni-node"})
+		return err == nil && len(l.Items) == 0
+	})
+}
+
+// kubeletMetrics reads the kubelet's pod start-up SLI histogram: its
+// cumulative bucket counts by upper bound (seconds).
+func kubeletMetrics(n *nodetest.Node) func(testing.TB) map[float64]float64 {
+	c := &http.Client{Timeout: time.Minute, Transport: &http.Transport{DialContext: n.DialContext,
+		TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}} // the test node's kubelet: a self-signed cert
+	return func(t testing.TB) map[float64]float64 {
+		t.Helper()
+		resp, err := c.Get("https://" + nodetest.NodeIP + ":10250/metrics")
+		if err != nil {
+			t.Fatalf("the kubelet's metrics: %v", err)
+		}
+		defer resp.Body.Close()
+		buckets := map[float64]float64{}
+		sc := bufio.NewScanner(resp.Body)
+		sc.Buffer(make([]byte, 1<<20), 1<<20)
+		for sc.Scan() {
+			line := sc.Text()
+			if !strings.HasPrefix(line, "kubelet_pod_start_sli_duration_seconds_bucket{") {
+				continue
+			}
+			_, rest, _ := strings.Cut(line, `le="`)
+			le, count, _ := strings.Cut(rest, `"} `)
+			bound, err1 := strconv.ParseFloat(le, 64)
+			if le == "+Inf" {
+				bound, err1 = math.Inf(1), nil
+			}
+			v, err2 := strconv.ParseFloat(count, 64)
+			if err1 == nil && err2 == nil {
+				buckets[bound] = v
+			}
+		}
+		return buckets
+	}
+}
+
+func subBuckets(after, before map[float64]float64) map[float64]float64 {
+	d := map[float64]float64{}
+	for le, v := range after {
+		d[le] = v - before[le]
+	}
+	return d
+}
+
+func addBuckets(sum, d map[float64]float64) map[float64]float64 {
+	if sum == nil {
+		sum = map[float64]float64{}
+	}
+	for le, v := range d {
+		sum[le] += v
+	}
+	return sum
+}
+
+// bucketQuantile is the upper bound of the bucket that holds quantile q
+// of a cumulative histogram (the resolution the kubelet gives).
+func bucketQuantile(buckets map[float64]float64, q float64) float64 {
+	bounds := make([]float64, 0, len(buckets))
+	for le := range buckets {
+		bounds = append(bounds, le)
+	}
+	slices.Sort(bounds)
+	if len(bounds) == 0 || buckets[bounds[len(bounds)-1]] == 0 {
+		return math.NaN()
+	}
+	total := buckets[bounds[len(bounds)-1]]
+	for _, le := range bounds {
+		if buckets[le] >= q*total {
+			return le
+		}
+	}
+	return math.Inf(1)
+}
+
+func quantile(d []time.Duration, q float64) time.Duration {
+	s := slices.Clone(d)
+	slices.Sort(s)
+	return s[int(q*float64(len(s)-1))]
+}
+
+func ms(d time.Duration) float64 { return float64(d) / 1e6 }
