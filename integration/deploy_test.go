@@ -340,3 +340,12 @@ func TestDockerfileMatchesTheChart(t *testing.T) {
 		t.Errorf("the image's entrypoint is not the agent in %s", dir)
 	}
 }
+
+// TestNumericImageTag: a tag of digits only (a short commit hash can be
+// one) names the image as given; helm's --set reads it as a number.
+func TestNumericImageTag(t *testing.T) {
+	out := render(t, "", "tag=9502044")
+	if !bytes.Contains(out, []byte(`image: "ghcr.io/nftcni/nftcni:9502044"`)) {
+		t.Errorf("with tag=9502044 the image is not ghcr.io/nftcni/nftcni:9502044:\n%s", grepLines(string(out), "image:"))
+	}
+}

@@ -98,7 +98,7 @@ func nftcniImage(t testing.TB) ([]byte, []string) {
 		t.Fatal(err)
 	}
 	t.Logf("installing the image %s (%s, manifest %s)", ref, path, digest)
-	return b, []string{"--set", "hub=" + hub, "--set", "tag=" + tag}
+	return b, []string{"--set", "hub=" + hub, "--set-string", "tag=" + tag}
 }
 
 func TestNode(t *testing.T) {

@@ -19,7 +19,7 @@ standalone
 {{- end }}
 
 {{- define "nftcni.image" -}}
-{{- printf "%s/%s:%s" .Values.hub .Values.image (.Values.tag | default .Chart.AppVersion) -}}
+{{- printf "%s/%s:%s" .Values.hub .Values.image (.Values.tag | default .Chart.AppVersion | toString) -}}
 {{- end }}
 
 {{/*
