@@ -2,8 +2,10 @@
 // pod enters or leaves the mesh — the plugin's ADD, late enrolment and
 // unenrolment, restart repair, adoption of pods found through /proc, DEL,
 // GC, pods deleted or gone from the pod source, drift found by the
-// verifier — goes through Enroller.enrol or Enroller.release, in one order
-// written once.
+// verifier — is an event for Enroller.step, which looks the pod's state and
+// the event up in one table (state.go) and acts: Enroller.enrol or
+// Enroller.release, each in one order written once, or a reprogram, a
+// repair, an owed annotation.
 //
 // enrol: the decision is made first; then the rules, ztunnel's hold on
 // the netns, the host probe set entry and the pod's record are put in
@@ -191,15 +193,15 @@ type pod struct {
 	d   *enablement.Decision // never nil; ModeNone: known, not enrolled
 	// netns is the one descriptor of the pod's netns the agent holds; nil
 	// for a record whose sandbox is gone.
-	netns            *os.File
-	nsDev, nsIno     uint64
-	pathVisible      bool // id.Netns named netns from here when it was opened
-	gone             bool // released for good: whoever waited for the lock finds nothing to do
-	verify           verifyState
-	annotationWanted bool // enrolled, but the annotation could not be written yet
+	netns        *os.File
+	nsDev, nsIno uint64
+	pathVisible  bool  // id.Netns named netns from here when it was opened
+	state        state // changed by Enroller.step alone
+	verify       verifyState
 }
 
-func (p *pod) enrolled() bool { return p.d.Mode != wire.ModeNone }
+// enrolled says whether p is captured: its decision is in force.
+func (p *pod) enrolled() bool { return p.state == enrolled || p.state == unannotated }
 
 func (p *pod) fd() int { return int(p.netns.Fd()) }
 
@@ -259,15 +261,13 @@ type how struct {
 	keepRules bool
 }
 
-// enrol brings p into the mesh as d says. Called with p.mu held.
+// enrol brings p into the mesh as d says (step's doEnrol). Called with
+// p.mu held.
 func (e *Enroller) enrol(ctx context.Context, p *pod, d *enablement.Decision, h how) error {
 	ambient := d.Mode == wire.ModeAmbient
 	if ambient && p.uid == "" {
 		return fmt.Errorf("pod %s has no UID (neither K8S_POD_UID from the runtime nor metadata.uid in its manifest): ztunnel names workloads by UID, so it cannot be enrolled in ambient", p.id.Key())
 	}
-	zt, probes, recs := e.opts.Ztunnel, e.opts.Probes, e.opts.Records
-	var ztErr, probeErr, recErr error
-	ztDone, probeDone, recDone := false, false, false
 	if h.start != nil {
 		if err := h.start(ctx); err != nil {
 			if !h.restored && p.netns != nil {
@@ -276,39 +276,12 @@ func (e *Enroller) enrol(ctx context.Context, p *pod, d *enablement.Decision, h 
 			return fmt.Errorf("enrolling pod %s (%s): %w", p.id.Key(), d.Mode, err)
 		}
 	}
+	var pr progress
 	ztAck := func() {} // waits for ztunnel's ack; each path calls it once
-	if ambient && zt != nil {
-		if h.restored {
-			zt.Track(p.uid, e.workload(p), p.netns)
-			ztDone = true
-		} else {
-			// The plugin, woken by its decision, programs the rules while
-			// ztunnel opens its listeners in the pod's netns: the
-			// AddWorkload goes out right after the decision (woken first,
-			// ztunnel would take this CPU before the decision is out), and
-			// its ack is waited for last.
-			wait := zt.StartAdd(ctx, p.uid, e.workload(p), p.netns)
-			ztAck = func() {
-				if ztErr = wait(); ztErr == nil {
-					ztDone = true
-				}
-			}
-		}
+	if ambient {
+		ztAck = e.ztunnelAdd(ctx, p, h.restored, &pr)
 	}
-	own := func() { // the probe set entry, then the record
-		if ambient && probes != nil {
-			if probeErr = probes.Add(p.uid, addrs(p.id.IPs)); probeErr != nil {
-				return
-			}
-			probeDone = true
-		}
-		if recs != nil && !h.recorded {
-			if recErr = recs.Save(e.record(p, d)); recErr == nil {
-				recDone = true
-				faults.Point(faults.Recorded)
-			}
-		}
-	}
+	own := func() { e.own(p, d, h.recorded, &pr) }
 	var rulesErr error
 	if h.ready != nil {
 		// The plugin is programming the rules in its own process, woken
@@ -319,7 +292,7 @@ func (e *Enroller) enrol(ctx context.Context, p *pod, d *enablement.Decision, h 
 		own()
 		ztAck()
 		faults.Point(faults.Acked)
-		h.ready(errors.Join(ztErr, probeErr, recErr))
+		h.ready(pr.err())
 		rulesErr = h.rules(ctx)
 		faults.Point(faults.Outcome)
 	} else {
@@ -327,34 +300,14 @@ func (e *Enroller) enrol(ctx context.Context, p *pod, d *enablement.Decision, h 
 		// listens in its netns before its traffic is redirected there, so
 		// no connection is refused in between.
 		var wg sync.WaitGroup
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			own()
-		}()
-		if ztAck(); ztErr == nil {
+		wg.Go(own)
+		if ztAck(); pr.ztErr == nil {
 			rulesErr = h.rules(ctx)
 		}
 		wg.Wait()
 	}
-	if err := errors.Join(rulesErr, ztErr, probeErr, recErr); err != nil {
-		// Undo, newest first; the pod is left as it was.
-		if recDone {
-			e.saveRecord(p, p.d)
-		}
-		if probeDone {
-			e.removeProbe(p, "undo")
-		}
-		if ztDone && !h.restored {
-			// ztunnel acked the Add: the undo's Del is owed whatever is
-			// left of the plugin's time.
-			e.ztunnelRelease(context.WithoutCancel(ctx), p)
-		}
-		if !h.restored && !h.keepRules && p.netns != nil {
-			if rerr := e.rules.Remove(p.fd()); rerr != nil {
-				e.log.Warn("could not remove the rules of a failed enrolment", "pod", p.id.Key(), "err", rerr)
-			}
-		}
+	if err := errors.Join(rulesErr, pr.err()); err != nil {
+		e.undo(ctx, p, h, &pr)
 		return fmt.Errorf("enrolling pod %s (%s): %w", p.id.Key(), d.Mode, err)
 	}
 	p.d = d
@@ -367,10 +320,80 @@ func (e *Enroller) enrol(ctx context.Context, p *pod, d *enablement.Decision, h 
 			// pass) rather than undo a working enrolment, which at ADD
 			// the plugin has reported to the runtime already.
 			e.log.Warn("could not annotate an enrolled pod; retried", "pod", p.id.Key(), "err", err)
-			p.annotationWanted = true
+			return errAnnotationOwed
 		}
 	}
 	return nil
+}
+
+// progress is what an enrolment has put in place so far, for its undo.
+type progress struct {
+	zt, probe, rec          bool
+	ztErr, probeErr, recErr error
+}
+
+func (pr *progress) err() error { return errors.Join(pr.ztErr, pr.probeErr, pr.recErr) }
+
+// ztunnelAdd hands p to ztunnel and returns the wait for its ack. A
+// restored pod goes in ztunnel's first snapshot instead (it is not
+// connected yet). The plugin, woken by its decision, programs the rules
+// while ztunnel opens its listeners in the pod's netns: the AddWorkload
+// goes out right after the decision (woken first, ztunnel would take this
+// CPU before the decision is out), and its ack is waited for last.
+func (e *Enroller) ztunnelAdd(ctx context.Context, p *pod, restored bool, pr *progress) (ack func()) {
+	zt := e.opts.Ztunnel
+	switch {
+	case zt == nil:
+		return func() {}
+	case restored:
+		zt.Track(p.uid, e.workload(p), p.netns)
+		pr.zt = true
+		return func() {}
+	}
+	wait := zt.StartAdd(ctx, p.uid, e.workload(p), p.netns)
+	return func() {
+		if pr.ztErr = wait(); pr.ztErr == nil {
+			pr.zt = true
+		}
+	}
+}
+
+// own makes the agent's own part of an enrolment: the probe set entry,
+// then the record.
+func (e *Enroller) own(p *pod, d *enablement.Decision, recorded bool, pr *progress) {
+	if probes := e.opts.Probes; d.Mode == wire.ModeAmbient && probes != nil {
+		if pr.probeErr = probes.Add(p.uid, addrs(p.id.IPs)); pr.probeErr != nil {
+			return
+		}
+		pr.probe = true
+	}
+	if recs := e.opts.Records; recs != nil && !recorded {
+		if pr.recErr = recs.Save(e.record(p, d)); pr.recErr == nil {
+			pr.rec = true
+			faults.Point(faults.Recorded)
+		}
+	}
+}
+
+// undo takes back what a failed enrolment put in place, newest first; the
+// pod is left as it was.
+func (e *Enroller) undo(ctx context.Context, p *pod, h how, pr *progress) {
+	if pr.rec {
+		e.saveRecord(p, p.d)
+	}
+	if pr.probe {
+		e.removeProbe(p, "undo")
+	}
+	if pr.zt && !h.restored {
+		// ztunnel acked the Add: the undo's Del is owed whatever is left
+		// of the plugin's time.
+		e.ztunnelRelease(context.WithoutCancel(ctx), p)
+	}
+	if !h.restored && !h.keepRules && p.netns != nil {
+		if err := e.rules.Remove(p.fd()); err != nil {
+			e.log.Warn("could not remove the rules of a failed enrolment", "pod", p.id.Key(), "err", err)
+		}
+	}
 }
 
 // RedirectionEnabled is the annotation value of an enrolled pod. Istio's
@@ -409,7 +432,8 @@ type releaseHow struct {
 	keepAnnotation bool
 }
 
-// release takes p out of the mesh. Called with p.mu held. An error means
+// release takes p out of the mesh (step's doRelease and doForget).
+// Called with p.mu held. An error means
 // the pod's rules could not be removed from a netns that still exists; the
 // pod then stays enrolled, so the caller retries.
 func (e *Enroller) release(ctx context.Context, p *pod, r releaseHow) error {
@@ -435,7 +459,6 @@ func (e *Enroller) release(ctx context.Context, p *pod, r releaseHow) error {
 		e.log.Info("pod released", "pod", p.id.Key(), "mode", p.d.Mode, "uid", p.uid, "containerID", p.id.ContainerID, "why", r.why)
 	}
 	p.d = none(r.why)
-	p.annotationWanted = false
 	if !r.forget {
 		e.saveRecord(p, p.d)
 		return nil
@@ -445,16 +468,7 @@ func (e *Enroller) release(ctx context.Context, p *pod, r releaseHow) error {
 			e.log.Warn("could not remove a pod's record", "pod", p.id.Key(), "err", err)
 		}
 	}
-	if p.netns != nil {
-		p.netns.Close()
-		p.netns = nil
-	}
-	p.gone = true
-	e.mu.Lock()
-	if e.pods[p.id.Attachment] == p {
-		delete(e.pods, p.id.Attachment)
-	}
-	e.mu.Unlock()
+	e.drop(p)
 	return nil
 }
 
@@ -485,13 +499,13 @@ func (e *Enroller) removeProbe(p *pod, why string) {
 			keep[ip] = true
 		}
 	}
-	var gone []netip.Addr
+	var freed []netip.Addr
 	for _, ip := range addrs(p.id.IPs) {
 		if !keep[ip] {
-			gone = append(gone, ip)
+			freed = append(freed, ip)
 		}
 	}
-	if err := e.opts.Probes.Remove(p.uid, gone); err != nil {
+	if err := e.opts.Probes.Remove(p.uid, freed); err != nil {
 		e.log.Warn("could not remove a pod's IPs from the host probe set; the host guard will", "pod", p.id.Key(), "why", why, "err", err)
 	}
 }
@@ -501,7 +515,7 @@ func (e *Enroller) sibling(p *pod) *pod {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	for _, o := range e.pods {
-		if o != p && o.uid == p.uid && !o.gone && o.netns != nil && o.d.Mode == wire.ModeAmbient {
+		if o != p && o.uid == p.uid && o.state != gone && o.netns != nil && o.d.Mode == wire.ModeAmbient {
 			return o
 		}
 	}
@@ -570,7 +584,7 @@ func (e *Enroller) Members() []Member {
 	var out []Member
 	for _, p := range e.snapshot() {
 		p.mu.Lock()
-		if !p.gone && p.enrolled() {
+		if p.enrolled() {
 			out = append(out, Member{Pod: p.id, Mode: p.d.Mode, UID: p.uid})
 		}
 		p.mu.Unlock()
@@ -612,11 +626,7 @@ func (e *Enroller) snapshot() []*pod {
 func (e *Enroller) Close() {
 	for _, p := range e.snapshot() {
 		p.mu.Lock()
-		if p.netns != nil {
-			p.netns.Close()
-			p.netns = nil
-		}
-		p.gone = true
+		_ = e.step(context.Background(), p, change{ev: evStop})
 		p.mu.Unlock()
 	}
 	e.mu.Lock()

@@ -139,15 +139,31 @@ func (z *fakeZtunnel) State(uid string) string { return "" }
 type fakeProbes struct {
 	l      *trail
 	addErr error
+	mu     sync.Mutex
+	held   map[string]bool // by UID
 }
 
 func (p *fakeProbes) Add(uid string, ips []netip.Addr) error {
 	p.l.add("probes.Add %s %v", uid, ips)
+	if p.addErr == nil {
+		p.mu.Lock()
+		p.held[uid] = true
+		p.mu.Unlock()
+	}
 	return p.addErr
 }
 func (p *fakeProbes) Remove(uid string, ips []netip.Addr) error {
 	p.l.add("probes.Remove %s %v", uid, ips)
+	p.mu.Lock()
+	delete(p.held, uid)
+	p.mu.Unlock()
 	return nil
+}
+
+func (p *fakeProbes) holds(uid string) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.held[uid]
 }
 
 type fakeAnnotator struct {
@@ -247,7 +263,7 @@ func newRig(t *testing.T) *rig {
 	l := &trail{}
 	r := &rig{t: t, l: l, store: podsource.NewStore(), rules: &fakeRules{Fake: nft.NewFake(), l: l},
 		zt: &fakeZtunnel{l: l, held: map[string]bool{}}, runDir: t.TempDir(), netns: map[string]*os.File{},
-		finder: &fakeFinder{l: l, netns: map[string]*os.File{}}, probes: &fakeProbes{l: l}}
+		finder: &fakeFinder{l: l, netns: map[string]*os.File{}}, probes: &fakeProbes{l: l, held: map[string]bool{}}}
 	var err error
 	if r.records, err = records.Open(r.runDir); err != nil {
 		t.Fatal(err)

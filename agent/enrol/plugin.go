@@ -61,9 +61,7 @@ func (e *Enroller) track(ctx context.Context, wp *wire.Pod, netns *os.File) (*po
 	e.mu.Unlock()
 	if old != nil {
 		old.mu.Lock()
-		if !old.gone {
-			_ = e.release(ctx, old, releaseHow{why: "the runtime ran ADD again for this sandbox", rulesGone: true, forget: true, keepAnnotation: true})
-		}
+		_ = e.step(ctx, old, change{ev: evReAdd, why: "the runtime ran ADD again for this sandbox"})
 		old.mu.Unlock()
 	}
 	f, err := dupFile(netns)
@@ -137,7 +135,7 @@ func (e *Enroller) Add(ctx context.Context, wp *wire.Pod, netns *os.File, plugin
 		// ranges): the agent writes it through the pod's netns it holds, and
 		// the plugin gets the decision alone.
 		decide = func(context.Context) error {
-			if err := nft.Program(int(p.netns.Fd()), batch); err != nil {
+			if err := e.rules.Program(p.fd(), batch); err != nil {
 				return fmt.Errorf("programming its %s ruleset of %d bytes (too large for the plugin's message): %w", d.Mode, batch.Size(), err)
 			}
 			v := d.Verdict()
@@ -145,10 +143,10 @@ func (e *Enroller) Add(ctx context.Context, wp *wire.Pod, netns *os.File, plugin
 			return plugin.Decide(v, nil)
 		}
 	}
-	err = e.enrol(ctx, p, d, how{
+	err = e.step(ctx, p, change{ev: evEnrol, d: d, how: how{
 		start: decide,
 		ready: plugin.Ready,
-		rules: func(context.Context) (err error) { t, err = plugin.Outcome(); return err }})
+		rules: func(context.Context) (err error) { t, err = plugin.Outcome(); return err }}})
 	if err != nil {
 		return err
 	}
@@ -200,10 +198,7 @@ func (e *Enroller) Del(ctx context.Context, wp *wire.Pod, netns *os.File) error 
 	// Under the pod's lock: a verification pass cannot put back what
 	// this removes.
 	rerr := remove()
-	if p.gone {
-		return rerr
-	}
-	return errors.Join(rerr, e.release(ctx, p, releaseHow{why: "DEL", rulesGone: true, forget: true, keepAnnotation: true}))
+	return errors.Join(rerr, e.step(ctx, p, change{ev: evDel, why: "DEL"}))
 }
 
 // uidTracked says whether any attachment with uid is tracked.
@@ -211,7 +206,7 @@ func (e *Enroller) uidTracked(uid string) bool {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	for _, p := range e.pods {
-		if p.uid == uid && !p.gone {
+		if p.uid == uid && p.state != gone {
 			return true
 		}
 	}
@@ -256,8 +251,8 @@ func (e *Enroller) GC(ctx context.Context, valid []wire.Attachment) error {
 			continue
 		}
 		p.mu.Lock()
-		if !p.gone {
-			_ = e.release(ctx, p, releaseHow{why: "GC: the runtime no longer has this attachment", forget: true, keepAnnotation: true})
+		if p.state != gone {
+			_ = e.step(ctx, p, change{ev: evGC, why: "GC: the runtime no longer has this attachment"})
 			n++
 		}
 		p.mu.Unlock()
@@ -278,7 +273,7 @@ func (e *Enroller) Inspect(q *wire.Pod) *wire.Inspect {
 	if uid == "" { // asked by name: a pod the agent tracks without a record
 		for _, p := range e.snapshot() {
 			p.mu.Lock()
-			if !p.gone && in.Pod == nil && p.id.Key() == q.Key() {
+			if p.state != gone && in.Pod == nil && p.id.Key() == q.Key() {
 				id := p.id
 				in.Pod, in.Enrolment, uid = &id, fmt.Sprintf("%s (%s)", p.d.Mode, p.d.Reason), p.uid
 			}
@@ -287,7 +282,7 @@ func (e *Enroller) Inspect(q *wire.Pod) *wire.Inspect {
 	}
 	for _, p := range e.snapshot() {
 		p.mu.Lock()
-		if !p.gone && uid != "" && p.uid == uid && p.enrolled() {
+		if uid != "" && p.uid == uid && p.enrolled() {
 			in.Verified, in.Drift, in.Repairs = p.verify.at, p.verify.drift, p.verify.repairs
 		}
 		p.mu.Unlock()

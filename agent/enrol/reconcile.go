@@ -68,17 +68,14 @@ func (e *Enroller) reconcilePod(ctx context.Context, p *pod, kp *corev1.Pod) err
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	switch {
-	case p.gone:
+	case p.state == gone:
 		return nil
 	case kp == nil || (string(kp.UID) != "" && p.uid != "" && string(kp.UID) != p.uid):
 		// Deleted, or replaced by a newer pod of the same name: its
 		// sandbox will not be enrolled again.
-		return e.release(ctx, p, releaseHow{why: "the pod is gone from the pod source", forget: true})
+		return e.step(ctx, p, change{ev: evPodGone, why: "the pod is gone from the pod source"})
 	case finished(kp):
-		if p.enrolled() {
-			return e.release(ctx, p, releaseHow{why: "the pod finished (" + string(kp.Status.Phase) + ")"})
-		}
-		return nil
+		return e.step(ctx, p, change{ev: evFinished, why: "the pod finished (" + string(kp.Status.Phase) + ")"})
 	case p.netns == nil:
 		return nil
 	}
@@ -87,23 +84,11 @@ func (e *Enroller) reconcilePod(ctx context.Context, p *pod, kp *corev1.Pod) err
 	case !p.enrolled() && d.Mode == wire.ModeAmbient:
 		return e.enrolByAgent(ctx, p, d, "late enrolment")
 	case p.d.Mode == wire.ModeAmbient && d.Mode != wire.ModeAmbient:
-		return e.release(ctx, p, releaseHow{why: "unenrolled: " + d.Reason})
+		return e.step(ctx, p, change{ev: evUnenrol, why: "unenrolled: " + d.Reason})
 	case p.d.Mode == wire.ModeAmbient && !reflect.DeepEqual(p.d.Ambient, d.Ambient):
-		return e.reprogram(ctx, p, d)
-	case p.enrolled() && p.annotationWanted:
-		return e.retryAnnotation(ctx, p)
+		return e.step(ctx, p, change{ev: evChanged, d: d})
 	}
-	return nil
-}
-
-// retryAnnotation writes the annotation an enrolled pod is still owed.
-// Called with p.mu held.
-func (e *Enroller) retryAnnotation(ctx context.Context, p *pod) error {
-	if err := e.annotate(ctx, p, RedirectionEnabled); err != nil {
-		return err
-	}
-	p.annotationWanted = false
-	return nil
+	return e.step(ctx, p, change{ev: evSync})
 }
 
 // enrolByAgent enrols a running pod, the agent programming its rules. A
@@ -133,7 +118,7 @@ func (e *Enroller) enrolByAgent(ctx context.Context, p *pod, d *enablement.Decis
 		h.keepRules = true
 		h.rules = func(context.Context) error { return nil }
 	}
-	if err := e.enrol(ctx, p, d, h); err != nil {
+	if err := e.step(ctx, p, change{ev: evEnrol, d: d, how: h}); err != nil {
 		return err
 	}
 	e.log.Info("pod enrolled by the agent", "pod", p.id.Key(), "mode", d.Mode, "uid", p.uid, "why", why)
@@ -154,7 +139,7 @@ func (e *Enroller) takeOver(p *pod, batch *nft.Batch) error {
 
 // reprogram swaps an enrolled pod's ruleset for the one its annotations now
 // ask for (DNS capture, inbound bypass, virtual interfaces), in one atomic
-// replace: the pod stays captured throughout.
+// replace: the pod stays captured throughout (step's doReprogram).
 func (e *Enroller) reprogram(ctx context.Context, p *pod, d *enablement.Decision) error {
 	_, batch, err := e.batches.get(d)
 	if err != nil {
@@ -224,11 +209,7 @@ func (e *Enroller) find(kp *corev1.Pod, ips []string) (*pod, error) {
 	e.mu.Unlock()
 	if old != nil {
 		old.mu.Lock()
-		if old.netns != nil {
-			old.netns.Close()
-			old.netns = nil
-		}
-		old.gone = true
+		_ = e.step(context.Background(), old, change{ev: evStop})
 		old.mu.Unlock()
 	}
 	e.log.Info("found a running pod's netns through /proc", "pod", id.Key(), "uid", kp.UID)

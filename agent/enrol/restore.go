@@ -60,13 +60,16 @@ func (e *Enroller) Restore(ctx context.Context) (Restored, error) {
 			d = none("recorded without a decision")
 		}
 		p := &pod{id: r.Pod, uid: r.UID, d: d, nsDev: r.NetnsDev, nsIno: r.NetnsIno}
+		if d.Mode != wire.ModeNone {
+			p.state = enrolled // as the previous agent left it
+		}
 		p.mu.Lock()
 		if marks.Deleted(r.Pod.Attachment) {
 			// The runtime's DEL (or GC) ran while no agent did: the plugin
 			// removed the rules; the rest goes now, and ztunnel never sees
 			// the pod again.
 			e.log.Info("a pod was deleted while no agent ran", "pod", r.Pod.Key())
-			_ = e.release(ctx, p, releaseHow{why: "the runtime deleted it while no agent ran", rulesGone: true, forget: true})
+			_ = e.step(ctx, p, change{ev: evDeletedAway, why: "the runtime deleted it while no agent ran"})
 			p.mu.Unlock()
 			n.Gone++
 			continue
@@ -75,7 +78,7 @@ func (e *Enroller) Restore(ctx context.Context) (Restored, error) {
 		f, err := openRecorded(&r)
 		if err != nil {
 			e.log.Info("a pod from the previous agent is gone", "pod", r.Pod.Key(), "reason", err)
-			_ = e.release(ctx, p, releaseHow{why: "its sandbox went while no agent ran", forget: true})
+			_ = e.step(ctx, p, change{ev: evSandboxGone, why: "its sandbox went while no agent ran"})
 			p.mu.Unlock()
 			n.Gone++
 			continue
@@ -86,8 +89,8 @@ func (e *Enroller) Restore(ctx context.Context) (Restored, error) {
 		e.mu.Unlock()
 		switch {
 		case d.Mode != wire.ModeNone:
-			p.d = none("restored")
-			if err := e.enrol(ctx, p, d, how{rules: deferred, restored: true, recorded: !legacy}); err != nil {
+			p.d, p.state = none("restored"), known
+			if err := e.step(ctx, p, change{ev: evEnrol, d: d, how: how{rules: deferred, restored: true, recorded: !legacy}}); err != nil {
 				e.log.Error("could not restore a pod's enrolment", "pod", r.Pod.Key(), "err", err)
 			}
 		case legacy:
@@ -152,8 +155,8 @@ func (e *Enroller) PruneGone(ctx context.Context) int {
 			continue
 		}
 		p.mu.Lock()
-		if !p.gone {
-			_ = e.release(ctx, p, releaseHow{why: "the pod is gone from the pod source", forget: true})
+		if p.state != gone {
+			_ = e.step(ctx, p, change{ev: evPodGone, why: "the pod is gone from the pod source"})
 			n++
 		}
 		p.mu.Unlock()
@@ -256,7 +259,7 @@ func (e *Enroller) adoptOne(ctx context.Context, kp *corev1.Pod) adoptOutcome {
 		return outcomeKept
 	case err == nil:
 		p.mu.Lock()
-		if rerr := e.rules.Remove(p.fd()); rerr != nil {
+		if rerr := e.step(ctx, p, change{ev: evStale}); rerr != nil {
 			e.log.Warn("could not remove the rules of a pod no longer enrolled", "pod", key, "err", rerr)
 		}
 		p.mu.Unlock()
@@ -319,7 +322,7 @@ func (e *Enroller) adopt(ctx context.Context, p *pod, d *enablement.Decision) er
 		}
 		return err
 	}
-	if err := e.enrol(ctx, p, d, how{rules: repair, restored: true}); err != nil {
+	if err := e.step(ctx, p, change{ev: evEnrol, d: d, how: how{rules: repair, restored: true}}); err != nil {
 		e.log.Error("could not adopt a pod", "pod", p.id.Key(), "err", err)
 		return err
 	}

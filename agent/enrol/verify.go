@@ -121,21 +121,19 @@ func (e *Enroller) verifyPod(ctx context.Context, p *pod) (checked, repaired boo
 		return false, false
 	}
 	defer p.mu.Unlock()
-	if p.gone || !p.enrolled() || p.netns == nil {
+	if !p.enrolled() || p.netns == nil {
 		return false, false
 	}
 	if !e.netnsAlive(p) {
 		// The runtime removed the sandbox without a DEL reaching the agent
 		// (it was down, say).
-		_ = e.release(ctx, p, releaseHow{why: "its sandbox is gone without a DEL", forget: true})
+		_ = e.step(ctx, p, change{ev: evSandboxGone, why: "its sandbox is gone without a DEL"})
 		return false, false
 	}
-	if p.annotationWanted {
-		if err := e.retryAnnotation(ctx, p); err != nil {
-			e.log.Warn("could not annotate an enrolled pod; retried at the next pass", "pod", p.id.Key(), "err", err)
-		}
+	if err := e.step(ctx, p, change{ev: evSync}); err != nil {
+		e.log.Warn("could not annotate an enrolled pod; retried at the next pass", "pod", p.id.Key(), "err", err)
 	}
-	rs, batch, err := e.batches.get(p.d)
+	rs, _, err := e.batches.get(p.d)
 	if err != nil || rs == nil {
 		return false, false
 	}
@@ -155,14 +153,27 @@ func (e *Enroller) verifyPod(ctx context.Context, p *pod) (checked, repaired boo
 	}
 	what := strings.Join(drift.Problems, "; ")
 	p.verify.drift, p.verify.gen = what, 0
-	if err := e.rules.Program(p.fd(), batch); err != nil {
+	if err := e.step(ctx, p, change{ev: evDrift, why: what}); err != nil {
 		e.log.Error("pod ruleset drifted and could not be put back", "pod", p.id.Key(), "uid", p.uid, "drift", what, "err", err)
 		p.verify.pending = true
 		return true, false
 	}
+	return true, true
+}
+
+// repair puts an enrolled pod's ruleset back after drift (step's
+// doRepair); the next pass lists it again.
+func (e *Enroller) repair(p *pod, drift string) error {
+	_, batch, err := e.batches.get(p.d)
+	if err != nil {
+		return err
+	}
+	if err := e.rules.Program(p.fd(), batch); err != nil {
+		return err
+	}
 	e.metrics.Repairs.Inc()
 	p.verify.repairs++
-	p.verify.pending, p.verify.at = true, time.Now() // the next pass lists it again
-	e.log.Warn("pod ruleset drifted; put back", "pod", p.id.Key(), "uid", p.uid, "mode", p.d.Mode, "drift", what)
-	return true, true
+	p.verify.pending, p.verify.at = true, time.Now()
+	e.log.Warn("pod ruleset drifted; put back", "pod", p.id.Key(), "uid", p.uid, "mode", p.d.Mode, "drift", drift)
+	return nil
 }
