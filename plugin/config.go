@@ -90,32 +90,11 @@ func ParseConfig(stdin []byte) (*Config, error) {
 	if c.ExcludeNamespaces, err = strings_(root.Get("exclude_namespaces"), "exclude_namespaces"); err != nil {
 		return nil, err
 	}
-	if rc := root.Get("runtimeConfig"); rc.IsObject() {
-		if ann := rc.Get(annotationsCapPath); ann.Exists() && ann.Type != gjson.Null {
-			if !ann.IsObject() {
-				return nil, fmt.Errorf("runtimeConfig.%s: want an object of strings", annotationsCap)
-			}
-			c.PodAnnotations = map[string]string{}
-			ann.ForEach(func(k, v gjson.Result) bool {
-				if v.Type != gjson.String {
-					err = fmt.Errorf("runtimeConfig.%s.%s: want a string, have %s", annotationsCap, k.Str, v.Raw)
-					return false
-				}
-				c.PodAnnotations[k.Str] = v.Str
-				return true
-			})
-			if err != nil {
-				return nil, err
-			}
-		}
+	if c.PodAnnotations, err = podAnnotations(root.Get("runtimeConfig")); err != nil {
+		return nil, err
 	}
-	if va := root.Get(`cni\.dev/valid-attachments`); va.Exists() && va.Type != gjson.Null {
-		if !va.IsArray() {
-			return nil, errors.New("cni.dev/valid-attachments: want a list")
-		}
-		for _, a := range va.Array() {
-			c.ValidAttachments = append(c.ValidAttachments, wire.Attachment{ContainerID: a.Get("containerID").String(), IfName: a.Get("ifname").String()})
-		}
+	if c.ValidAttachments, err = validAttachments(root.Get(`cni\.dev/valid-attachments`)); err != nil {
+		return nil, err
 	}
 	if p := root.Get("prevResult"); p.Exists() && p.Type != gjson.Null {
 		if !p.IsObject() {
@@ -126,15 +105,64 @@ func ParseConfig(stdin []byte) (*Config, error) {
 			return nil, fmt.Errorf("parsing prevResult: %w", err)
 		}
 	}
+	if err := c.settle(); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// podAnnotations are the pod's annotations the runtime passed in
+// runtimeConfig (nil: none passed).
+func podAnnotations(rc gjson.Result) (map[string]string, error) {
+	if !rc.IsObject() {
+		return nil, nil
+	}
+	ann := rc.Get(annotationsCapPath)
+	if !ann.Exists() || ann.Type == gjson.Null {
+		return nil, nil
+	}
+	if !ann.IsObject() {
+		return nil, fmt.Errorf("runtimeConfig.%s: want an object of strings", annotationsCap)
+	}
+	out := map[string]string{}
+	var err error
+	ann.ForEach(func(k, v gjson.Result) bool {
+		if v.Type != gjson.String {
+			err = fmt.Errorf("runtimeConfig.%s.%s: want a string, have %s", annotationsCap, k.Str, v.Raw)
+			return false
+		}
+		out[k.Str] = v.Str
+		return true
+	})
+	return out, err
+}
+
+// validAttachments is a GC's list of the attachments the runtime keeps.
+func validAttachments(va gjson.Result) ([]wire.Attachment, error) {
+	if !va.Exists() || va.Type == gjson.Null {
+		return nil, nil
+	}
+	if !va.IsArray() {
+		return nil, errors.New("cni.dev/valid-attachments: want a list")
+	}
+	var out []wire.Attachment
+	for _, a := range va.Array() {
+		out = append(out, wire.Attachment{ContainerID: a.Get("containerID").String(), IfName: a.Get("ifname").String()})
+	}
+	return out, nil
+}
+
+// settle fills the defaults and checks the paths and the log level.
+func (c *Config) settle() error {
 	if c.RunDir == "" {
 		c.RunDir = DefaultRunDir
 	}
 	if !filepath.IsAbs(c.RunDir) {
-		return nil, fmt.Errorf("cni_agent_run_dir %q must be an absolute path", c.RunDir)
+		return fmt.Errorf("cni_agent_run_dir %q must be an absolute path", c.RunDir)
 	}
 	c.RunDir = filepath.Clean(c.RunDir)
 	if c.PolicySnapshot != "" && !filepath.IsAbs(c.PolicySnapshot) {
-		return nil, fmt.Errorf("policy_snapshot %q must be an absolute path", c.PolicySnapshot)
+		return fmt.Errorf("policy_snapshot %q must be an absolute path", c.PolicySnapshot)
 	}
 	switch strings.ToLower(c.LogLevel) {
 	case "debug":
@@ -146,9 +174,9 @@ func ParseConfig(stdin []byte) (*Config, error) {
 	case "error":
 		c.level = levelError
 	default:
-		return nil, fmt.Errorf("plugin_log_level %q: want debug, info, warn or error", c.LogLevel)
+		return fmt.Errorf("plugin_log_level %q: want debug, info, warn or error", c.LogLevel)
 	}
-	return c, nil
+	return nil
 }
 
 // annotationsCap is the capability containerd and CRI-O fill with the

@@ -300,6 +300,12 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 		c.debug("not enrolled", "reason", r.Reason, "ms", c.since())
 		return c.printPrev(stdout)
 	}
+	return c.programAndReport(pod, netns, r, socks, stdout)
+}
+
+// programAndReport programs the agent's decision into the pod's netns,
+// reads the agent's answer and sends it the outcome, its last message.
+func (c *call) programAndReport(pod *wire.Pod, netns int, r *wire.Reply, socks []int, stdout io.Writer) error {
 	t := &wire.Timings{Decided: c.since()}
 	var perr error
 	if !r.Programmed { // else the agent wrote it itself (too large for a message)

@@ -103,9 +103,10 @@ type Node struct {
 	ZDS      *zds.Server // nil without ztunnel
 	Restored enrol.Restored
 
-	cancel  context.CancelFunc
-	waits   []chan struct{}
-	closers []func()
+	cancel    context.CancelFunc
+	waits     []chan struct{}
+	closers   []func()
+	zdsServed bool // ZDS.Serve owns the listener
 }
 
 func (n *Node) goWait(f func()) {
@@ -138,10 +139,10 @@ func (n *Node) Stop() {
 // verification pass, once the agent serves. It returns when the plugin is
 // served.
 func Start(ctx context.Context, cfg Config) (_ *Node, err error) {
-	log := cfg.Log
-	if log == nil {
-		log = slog.New(slog.DiscardHandler)
+	if cfg.Log == nil {
+		cfg.Log = slog.New(slog.DiscardHandler)
 	}
+	log := cfg.Log
 	ctx, cancel := context.WithCancel(ctx)
 	n := &Node{cancel: cancel}
 	defer func() {
@@ -149,27 +150,9 @@ func Start(ctx context.Context, cfg Config) (_ *Node, err error) {
 			n.Stop()
 		}
 	}()
-	if cfg.Lock == nil {
-		lock, err := runlock.Acquire(cfg.RunDir)
-		if err != nil {
-			return nil, err
-		}
-		n.closers = append(n.closers, func() { lock.Release() })
-	}
-	hostNetns, err := os.Open(cfg.HostNetns)
+	hostNetns, err := n.openHost(cfg)
 	if err != nil {
-		return nil, fmt.Errorf("--host-netns %s: %w (in a pod: mount the host's /proc and add CAP_SYS_PTRACE to open /host/proc/1/ns/net)", cfg.HostNetns, err)
-	}
-	n.closers = append(n.closers, func() { hostNetns.Close() })
-	capsHint := " (the agent needs CAP_NET_ADMIN, and CAP_SYS_ADMIN to enter that netns)"
-	if n.Host, err = hostprobe.Open(hostNetns, nft.HostSpec{IPv6: cfg.IPv6, SNAT: cfg.ProbeSNAT}, log); err != nil {
-		return nil, fmt.Errorf("host probe table in %s: %w%s", cfg.HostNetns, err, capsHint)
-	}
-	n.closers = append(n.closers, func() { n.Host.Close() })
-	// The table exists (with whatever it holds) before any pod is restored
-	// or adopted: their probe entries go into it.
-	if _, err := n.Host.Assert(nil, true); err != nil {
-		return nil, fmt.Errorf("host probe table in %s: %w%s", cfg.HostNetns, err, capsHint)
+		return nil, err
 	}
 	recs, err := records.Open(cfg.RunDir)
 	if err != nil {
@@ -182,84 +165,175 @@ func Start(ctx context.Context, cfg Config) (_ *Node, err error) {
 	opts := enrol.Options{Policy: cfg.Policy, Log: log, Probes: n.Host, Records: recs,
 		Finder: &procscan.Scanner{Proc: proc, Host: hostNetns}, Metrics: enrol.NewMetrics(cfg.Registry),
 		LookupRetries: cfg.LookupRetries, AdoptConcurrency: cfg.AdoptConcurrency}
-	var zl *net.UnixListener
-	if cfg.ZtunnelSocket != "" {
-		if zl, err = zds.Listen(cfg.ZtunnelSocket, cfg.socketWait()); err != nil {
-			return nil, fmt.Errorf("ZDS socket %s: %w", cfg.ZtunnelSocket, err)
-		}
-		served := false
-		n.closers = append(n.closers, func() {
-			if !served {
-				zl.Close() // Serve owns it once it runs
-			}
-		})
-		defer func() { served = err == nil }()
-		n.ZDS = zds.NewServer(log, cfg.Registry)
+	zl, err := n.listenZtunnel(cfg)
+	if err != nil {
+		return nil, err
+	}
+	if n.ZDS != nil {
 		opts.Ztunnel = n.ZDS
-	} else {
-		log.Warn("no ztunnel socket: ambient pods get their rules but no ztunnel")
 	}
 
-	// 1. The pod source, complete. The policy snapshot is rewritten at
-	// most every 100 ms: changes come in bursts (an informer's first
-	// list, a namespace of pods).
-	var e *enrol.Enroller
-	policyDirty := make(chan struct{}, 1)
-	dirty := func() {
-		select {
-		case policyDirty <- struct{}{}:
-		default:
-		}
+	// 1. The pod source, complete; the policy snapshot follows it.
+	snap := &snapshot{path: cfg.PolicyPath(), log: log, dirty: make(chan struct{}, 1)}
+	src, err := openPodSource(ctx, cfg, &opts, snap.mark)
+	if err != nil {
+		return nil, err
 	}
-	var kube *kubesrc.Source
-	var static *podsource.Source
+	e := enrol.New(opts)
+	n.Enroller, snap.e = e, e
+	n.goWait(func() { snap.run(ctx) })
+
+	// 2. The previous agent's pods: netns reopened, enrolments restored.
+	n.restore(ctx, e, log)
+
+	// 3. The host probe table (exactly the restored members), then
+	// ztunnel, the pod source's changes, and the plugin.
+	if err := n.takeHost(ctx, cfg, hostNetns, e.ProbeMembers()); err != nil {
+		return nil, err
+	}
+	if n.ZDS != nil {
+		n.goWait(func() { _ = n.ZDS.Serve(ctx, zl) })
+		n.zdsServed = true
+		log.Info("serving ztunnel (ZDS)", "socket", cfg.ZtunnelSocket, "snapshot", len(n.ZDS.Known()))
+	}
+	n.follow(ctx, cfg, src, e, snap.mark)
+	snap.write()
+	return n, n.serve(ctx, cfg, e)
+}
+
+// openHost takes the run dir's lock, opens the host's netns and puts the
+// host probe table in place (with whatever it holds) before any pod is
+// restored or adopted: their probe entries go into it.
+func (n *Node) openHost(cfg Config) (*os.File, error) {
+	if cfg.Lock == nil {
+		lock, err := runlock.Acquire(cfg.RunDir)
+		if err != nil {
+			return nil, err
+		}
+		n.closers = append(n.closers, func() { lock.Release() })
+	}
+	hostNetns, err := os.Open(cfg.HostNetns)
+	if err != nil {
+		return nil, fmt.Errorf("--host-netns %s: %w (in a pod: mount the host's /proc and add CAP_SYS_PTRACE to open /host/proc/1/ns/net)", cfg.HostNetns, err)
+	}
+	n.closers = append(n.closers, func() { hostNetns.Close() })
+	if n.Host, err = hostprobe.Open(hostNetns, nft.HostSpec{IPv6: cfg.IPv6, SNAT: cfg.ProbeSNAT}, cfg.Log); err != nil {
+		return nil, fmt.Errorf("host probe table in %s: %w%s", cfg.HostNetns, err, capsHint)
+	}
+	n.closers = append(n.closers, func() { n.Host.Close() })
+	if _, err := n.Host.Assert(nil, true); err != nil {
+		return nil, fmt.Errorf("host probe table in %s: %w%s", cfg.HostNetns, err, capsHint)
+	}
+	return hostNetns, nil
+}
+
+const capsHint = " (the agent needs CAP_NET_ADMIN, and CAP_SYS_ADMIN to enter that netns)"
+
+// listenZtunnel binds the ZDS socket (waiting out another live server of
+// it) and makes the ZDS server; nil without a socket configured.
+func (n *Node) listenZtunnel(cfg Config) (*net.UnixListener, error) {
+	if cfg.ZtunnelSocket == "" {
+		cfg.Log.Warn("no ztunnel socket: ambient pods get their rules but no ztunnel")
+		return nil, nil
+	}
+	zl, err := zds.Listen(cfg.ZtunnelSocket, cfg.socketWait())
+	if err != nil {
+		return nil, fmt.Errorf("ZDS socket %s: %w", cfg.ZtunnelSocket, err)
+	}
+	n.closers = append(n.closers, func() {
+		if !n.zdsServed {
+			zl.Close() // Serve owns it once it runs
+		}
+	})
+	n.ZDS = zds.NewServer(cfg.Log, cfg.Registry)
+	return zl, nil
+}
+
+// podSource is where pods come from: one of the two is set, or neither
+// (a store the caller fills, or none).
+type podSource struct {
+	kube   *kubesrc.Source
+	static *podsource.Source
+}
+
+// openPodSource fills opts' store (and annotator) and returns once the
+// source is complete; changed is called whenever it changes.
+func openPodSource(ctx context.Context, cfg Config, opts *enrol.Options, changed func()) (podSource, error) {
+	log := cfg.Log
 	switch {
 	case cfg.Kube != nil:
-		kube = kubesrc.New(cfg.Kube, cfg.NodeName, cfg.Registry, log, dirty)
+		kube := kubesrc.New(cfg.Kube, cfg.NodeName, cfg.Registry, log, changed)
 		opts.Store, opts.Annotator = kube, kube
 		if err := kube.Start(ctx); err != nil {
-			return nil, fmt.Errorf("kubernetes informers: %w", err)
+			return podSource{}, fmt.Errorf("kubernetes informers: %w", err)
 		}
 		log.Info("informer caches synced", "pods-on-node", len(kube.Pods()), "namespaces", len(kube.Namespaces()))
+		return podSource{kube: kube}, nil
 	case cfg.StaticDir != "":
 		store := podsource.NewStore()
 		opts.Store = store
-		static = podsource.New(cfg.StaticDir, cfg.NodeName, store, log)
+		static := podsource.New(cfg.StaticDir, cfg.NodeName, store, log)
 		bad, err := static.Load()
 		if err != nil {
-			return nil, fmt.Errorf("--pod-source: %w", err)
+			return podSource{}, fmt.Errorf("--pod-source: %w", err)
 		}
 		log.Info("enrolling from a static pod source", "dir", cfg.StaticDir, "pods", len(store.Pods()), "namespaces", len(store.Namespaces()), "files-skipped", len(bad))
+		return podSource{static: static}, nil
 	case cfg.Store != nil:
 		opts.Store = cfg.Store
 	default:
 		opts.Store = podsource.NewStore()
 		log.Warn("no pod source (no --kubeconfig, not in a cluster, no --pod-source): the agent knows no pods, so every pod passes through un-enrolled")
 	}
-	e = enrol.New(opts)
-	n.Enroller = e
-	writePolicy := func() {
-		if err := events.WritePolicy(cfg.PolicyPath(), e.Policy()); err != nil {
-			log.Error("could not write the policy snapshot the plugin falls back on", "path", cfg.PolicyPath(), "err", err)
-		}
-	}
-	n.goWait(func() {
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-policyDirty:
-			}
-			time.Sleep(100 * time.Millisecond)
-			select {
-			case <-policyDirty:
-			default:
-			}
-			writePolicy()
-		}
-	})
+	return podSource{}, nil
+}
 
-	// 2. The previous agent's pods: netns reopened, enrolments restored.
+// snapshot is the policy snapshot the plugin falls back on while no agent
+// answers: written once the agent serves, then at most every 100 ms while
+// the pod source changes (changes come in bursts: an informer's first
+// list, a namespace of pods).
+type snapshot struct {
+	path  string
+	e     *enrol.Enroller
+	log   *slog.Logger
+	dirty chan struct{}
+}
+
+// mark says the policy may have changed.
+func (s *snapshot) mark() {
+	select {
+	case s.dirty <- struct{}{}:
+	default:
+	}
+}
+
+func (s *snapshot) write() {
+	if err := events.WritePolicy(s.path, s.e.Policy()); err != nil {
+		s.log.Error("could not write the policy snapshot the plugin falls back on", "path", s.path, "err", err)
+	}
+}
+
+// run writes the snapshot after each burst of marks until ctx ends.
+func (s *snapshot) run(ctx context.Context) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-s.dirty:
+		}
+		time.Sleep(100 * time.Millisecond)
+		select {
+		case <-s.dirty:
+		default:
+		}
+		s.write()
+	}
+}
+
+// restore takes over what the previous agent left: its records, the pods
+// gone since, and pods annotated as enrolled without a record.
+func (n *Node) restore(ctx context.Context, e *enrol.Enroller, log *slog.Logger) {
+	var err error
 	if n.Restored, err = e.Restore(ctx); err != nil {
 		log.Error("could not read the previous agent's pod records; pods enrolled before this start are not restored", "err", err)
 	}
@@ -268,15 +342,17 @@ func Start(ctx context.Context, cfg Config) (_ *Node, err error) {
 	r.Adopted, r.Kept, r.Cleared = e.AdoptAnnotated(ctx)
 	log.Info("pods restored from the previous agent", "restored", r.Restored, "sandbox-gone", r.Gone, "pod-gone", r.Pruned,
 		"adopted-through-proc", r.Adopted, "kept-without-netns", r.Kept, "stale-annotations-cleared", r.Cleared)
+}
 
-	// 3. The host probe table (exactly the restored members), then
-	// ztunnel, the pod source's changes, and the plugin.
-	if _, err := n.Host.Assert(e.ProbeMembers(), false); err != nil {
-		return nil, fmt.Errorf("host probe table in %s: %w%s", cfg.HostNetns, err, capsHint)
+// takeHost makes the host probe table hold exactly members, removes
+// istio-cni's probe SNAT (a live migration from it) once ours covers the
+// pods taken over, and guards the table from then on.
+func (n *Node) takeHost(ctx context.Context, cfg Config, hostNetns *os.File, members []nft.Member) error {
+	log := cfg.Log
+	if _, err := n.Host.Assert(members, false); err != nil {
+		return fmt.Errorf("host probe table in %s: %w%s", cfg.HostNetns, err, capsHint)
 	}
 	log.Info("host probe SNAT table in place", "netns", cfg.HostNetns, "table", "inet "+nft.HostTable)
-	// istio-cni's probe SNAT (a live migration from it) goes once ours
-	// covers the pods taken over.
 	if s, err := nft.SurveyHost(int(hostNetns.Fd())); err != nil {
 		log.Warn("could not look for istio-cni's host probe state", "netns", cfg.HostNetns, "err", err)
 	} else if s.Found() {
@@ -294,12 +370,17 @@ func Start(ctx context.Context, cfg Config) (_ *Node, err error) {
 		guard = 10 * time.Second
 	}
 	n.goWait(func() { n.Host.Guard(ctx, guard) })
-	if n.ZDS != nil {
-		n.goWait(func() { _ = n.ZDS.Serve(ctx, zl) })
-		log.Info("serving ztunnel (ZDS)", "socket", cfg.ZtunnelSocket, "snapshot", len(n.ZDS.Known()))
-	}
+	return nil
+}
+
+// follow reconciles pods as the pod source changes: Kubernetes' informer
+// events (and istio-cni's repair of sidecar pods), or the static
+// directory's changes.
+func (n *Node) follow(ctx context.Context, cfg Config, src podSource, e *enrol.Enroller, changed func()) {
+	log := cfg.Log
 	switch {
-	case kube != nil:
+	case src.kube != nil:
+		kube := src.kube
 		rep := repair.New(cfg.Repair, cfg.Kube, e.RepairSidecar, log)
 		n.goWait(func() {
 			kube.Run(ctx, func(ctx context.Context, namespace, name string) error {
@@ -307,15 +388,15 @@ func Start(ctx context.Context, cfg Config) (_ *Node, err error) {
 				return errors.Join(err, rep.Reconcile(ctx, kube.Pod(namespace, name)))
 			})
 		})
-	case static != nil:
-		changed := make(chan struct{}, 1)
-		changed <- struct{}{} // what changed while no agent ran
-		n.goWait(func() { reconcileOnChange(ctx, e, changed, log) })
+	case src.static != nil:
+		reconcile := make(chan struct{}, 1)
+		reconcile <- struct{}{} // what changed while no agent ran
+		n.goWait(func() { reconcileOnChange(ctx, e, reconcile, log) })
 		n.goWait(func() {
-			err := static.Watch(ctx, func() {
-				dirty()
+			err := src.static.Watch(ctx, func() {
+				changed()
 				select {
-				case changed <- struct{}{}:
+				case reconcile <- struct{}{}:
 				default:
 				}
 			})
@@ -324,11 +405,15 @@ func Start(ctx context.Context, cfg Config) (_ *Node, err error) {
 			}
 		})
 	}
-	writePolicy()
+}
+
+// serve serves the plugin and starts the continuous verification.
+func (n *Node) serve(ctx context.Context, cfg Config, e *enrol.Enroller) error {
+	log := cfg.Log
 	sock := filepath.Join(cfg.RunDir, wire.SocketName)
 	l, err := events.Listen(sock)
 	if err != nil {
-		return nil, fmt.Errorf("plugin socket %s: %w", sock, err)
+		return fmt.Errorf("plugin socket %s: %w", sock, err)
 	}
 	srv := events.NewServer(e, log, events.NewMetrics(cfg.Registry))
 	n.goWait(func() { _ = srv.Serve(ctx, l) })
@@ -339,7 +424,7 @@ func Start(ctx context.Context, cfg Config) (_ *Node, err error) {
 	} else {
 		log.Warn("continuous verification is off: a changed pod ruleset is found only by the next agent start")
 	}
-	return n, nil
+	return nil
 }
 
 // destroyIstioIpsets removes istio-cni's probe ipsets once the kernel has

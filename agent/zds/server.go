@@ -136,88 +136,23 @@ func (s *Server) handshake(ctx context.Context, uc *net.UnixConn) {
 		return
 	}
 	c := newConn(uc)
-	_ = uc.SetReadDeadline(time.Now().Add(helloTimeout))
-	b, _, err := c.recv()
-	if err == nil {
-		var v uint64
-		if v, err = DecodeHello(b); err == nil && v != VersionV1 {
-			err = fmt.Errorf("unsupported ZDS version %d", v)
-		}
-	}
-	if err != nil {
+	if err := hello(c, uc); err != nil {
 		s.log.Warn("ztunnel did not say hello", "err", err)
 		uc.Close()
 		return
 	}
-	// The snapshot is sent without holding the server: Adds and Dels go
-	// on meanwhile (to the ready connections), and what they change is
-	// caught up before this connection registers as the newest.
-	c.turn <- struct{}{} // nothing else is sent on c before its snapshot
-	s.mu.Lock()
-	uids := make([]string, 0, len(s.pods))
-	for uid := range s.pods {
-		uids = append(uids, uid)
-	}
-	s.pending[c] = nil
-	s.mu.Unlock()
-	sort.Strings(uids)
+	c.turn <- struct{}{}      // nothing else is sent on c before its snapshot
 	have := map[string]bool{} // what c has been given
-	fail := func(err error) {
+	if err := s.sendSnapshot(c, have); err != nil {
 		s.mu.Lock()
 		delete(s.pending, c)
 		s.mu.Unlock()
 		<-c.turn
 		s.log.Warn("ZDS snapshot failed; waiting for ztunnel to reconnect", "err", err)
 		uc.Close()
-	}
-	if err := s.sendPods(c, uids, have); err != nil {
-		fail(err)
 		return
 	}
-	for caught := 0; ; caught++ { // catch up while Adds go on elsewhere
-		s.mu.Lock()
-		changed := s.pending[c]
-		s.pending[c] = nil
-		s.mu.Unlock()
-		if len(changed) == 0 || caught == 3 {
-			if err := s.sendPods(c, changed, have); err != nil {
-				fail(err)
-				return
-			}
-			break
-		}
-		if err := s.sendPods(c, changed, have); err != nil {
-			fail(err)
-			return
-		}
-	}
-	// Register: once the in-flight Adds are done (no new one starts while
-	// the registration lock is held), what they and any Del changed is
-	// sent, until nothing is left, and c becomes the newest in the same
-	// critical section that finds nothing left.
-	s.reg.Lock()
-	for {
-		s.mu.Lock()
-		changed := s.pending[c]
-		if len(changed) == 0 {
-			delete(s.pending, c)
-			s.conns = append(s.conns, c)
-			s.connected.Set(1)
-			s.mu.Unlock()
-			break
-		}
-		s.pending[c] = nil
-		s.mu.Unlock()
-		if err = s.sendPods(c, changed, have); err != nil {
-			break
-		}
-	}
-	s.reg.Unlock()
-	if err != nil {
-		fail(err)
-		return
-	}
-	err = c.request(&Request{Kind: KindSnapshotSent}, nil, time.Now().Add(s.AckTimeout))
+	err := c.request(&Request{Kind: KindSnapshotSent}, nil, time.Now().Add(s.AckTimeout))
 	c.synced.Store(err == nil)
 	<-c.turn
 	if err != nil {
@@ -226,6 +161,72 @@ func (s *Server) handshake(ctx context.Context, uc *net.UnixConn) {
 	}
 	s.log.Info("ztunnel connected", "snapshot", len(have))
 	s.watch(ctx, c)
+}
+
+// hello reads ztunnel's hello, within helloTimeout.
+func hello(c *conn, uc *net.UnixConn) error {
+	_ = uc.SetReadDeadline(time.Now().Add(helloTimeout))
+	b, _, err := c.recv()
+	if err != nil {
+		return err
+	}
+	v, err := DecodeHello(b)
+	if err == nil && v != VersionV1 {
+		err = fmt.Errorf("unsupported ZDS version %d", v)
+	}
+	return err
+}
+
+// sendSnapshot sends c every pod the server holds, then registers c as
+// the newest connection. The snapshot is sent without holding the server:
+// Adds and Dels go on meanwhile (to the ready connections), and what they
+// change is caught up before c registers. On error c is still pending.
+func (s *Server) sendSnapshot(c *conn, have map[string]bool) error {
+	s.mu.Lock()
+	uids := make([]string, 0, len(s.pods))
+	for uid := range s.pods {
+		uids = append(uids, uid)
+	}
+	s.pending[c] = nil
+	s.mu.Unlock()
+	sort.Strings(uids)
+	if err := s.sendPods(c, uids, have); err != nil {
+		return err
+	}
+	for caught := 0; caught < 4; caught++ { // catch up while Adds go on elsewhere
+		s.mu.Lock()
+		changed := s.pending[c]
+		s.pending[c] = nil
+		s.mu.Unlock()
+		if err := s.sendPods(c, changed, have); err != nil {
+			return err
+		}
+		if len(changed) == 0 {
+			break
+		}
+	}
+	// Register: once the in-flight Adds are done (no new one starts while
+	// the registration lock is held), what they and any Del changed is
+	// sent, until nothing is left, and c becomes the newest in the same
+	// critical section that finds nothing left.
+	s.reg.Lock()
+	defer s.reg.Unlock()
+	for {
+		s.mu.Lock()
+		changed := s.pending[c]
+		if len(changed) == 0 {
+			delete(s.pending, c)
+			s.conns = append(s.conns, c)
+			s.connected.Set(1)
+			s.mu.Unlock()
+			return nil
+		}
+		s.pending[c] = nil
+		s.mu.Unlock()
+		if err := s.sendPods(c, changed, have); err != nil {
+			return err
+		}
+	}
 }
 
 // sendPods sends c what the server holds now of each uid: Add with a dup
