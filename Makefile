@@ -88,11 +88,12 @@ chaos: deps build cni-plugins
 	NFTCNI_CHAOS_ROUNDS=$(CHAOS_ROUNDS) NFTCNI_CHAOS_REPORT=$(CURDIR)/$(BIN)/chaos.txt \
 	  $(GO) test -count=1 -timeout 30m -run 'TestChaos$$' ./integration/; status=$$?; cat $(BIN)/chaos.txt 2>/dev/null; exit $$status
 
-# Unit tests: every package but the integration tests, under -short, where
-# a test that needs root or network namespaces skips (testnet.RequireRoot),
-# so it runs the same as any user. The root tests run in `make test`.
+# Unit tests: every package but the integration tests, without the kernel
+# tests (files *_kernel_test.go, built without the tag `unit`: they need
+# root and network namespaces). Runs the same as any user, root or not;
+# the kernel tests run in `make test`.
 unit:
-	$(GO) test -short -count=1 $$($(GO) list ./... | grep -v /integration)
+	$(GO) test -tags unit -count=1 $$($(GO) list ./... | grep -v /integration)
 
 # Debian packages the tests use, installed when missing (root only).
 deps:

@@ -12,6 +12,11 @@ import (
 	"github.com/nftcni/nftcni/nft"
 )
 
+var (
+	ip1 = netip.MustParseAddr("10.1.0.7")
+	ip2 = netip.MustParseAddr("fd00::7")
+)
+
 // fakeKernel is the host netns's nf_tables in memory: the table as the
 // last Apply left it (nil: not there), changed by Update as the kernel's
 // sets are.
