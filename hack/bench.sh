@@ -9,8 +9,8 @@ trap 'rm -f "$out"' EXIT
 go test -run '^$' -bench . -benchmem -count=1 ./conflist ./agent/install | tee -a "$out"
 # Rule programming, every way interleaved: fixed round counts keep the
 # fresh-netns churn bounded.
-go test -run '^$' -bench 'ProgramFresh' -benchtime 200x -count=1 ./nft | tee -a "$out"
-go test -run '^$' -bench 'Apply1000Concurrent' -benchtime 3x -count=1 ./nft | tee -a "$out"
+go test -run '^$' -bench 'ProgramFresh' -benchtime 200x -count=1 ./capture | tee -a "$out"
+go test -run '^$' -bench 'Apply1000Concurrent' -benchtime 3x -count=1 ./capture | tee -a "$out"
 # The agent's own steps of an enrolment (probe set entry, record).
 go test -run '^$' -bench 'Completion' -benchtime 500x -count=1 ./agent/enrol | tee -a "$out"
 # CNI ADD through libcni with the reference plugins: what nftcni adds.

@@ -13,6 +13,7 @@ import (
 	"github.com/containernetworking/cni/libcni"
 
 	"github.com/nftcni/nftcni/agent/zds"
+	"github.com/nftcni/nftcni/capture"
 	"github.com/nftcni/nftcni/internal/testnet"
 	"github.com/nftcni/nftcni/internal/ztunneltest"
 	"github.com/nftcni/nftcni/nft"
@@ -231,7 +232,7 @@ func TestAgentRestartKeepsCapture(t *testing.T) {
 	if r.failed > 0 || r.ok < 10 {
 		t.Errorf("connections across the restart: %d landed, %d failed (want all landing)", r.ok, r.failed)
 	}
-	if err := nft.Verify(app.FD, nft.Ambient(nft.AmbientSpec{DNSCapture: true})); err != nil {
+	if err := nft.Verify(app.FD, capture.Ambient(capture.AmbientSpec{DNSCapture: true})); err != nil {
 		t.Errorf("rules after the restart: %v", err)
 	}
 	if err := n.del(list, rt); err != nil {

@@ -19,6 +19,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/nftcni/nftcni/agent/zds"
+	"github.com/nftcni/nftcni/capture"
 	"github.com/nftcni/nftcni/internal/testnet"
 	"github.com/nftcni/nftcni/istio"
 	"github.com/nftcni/nftcni/nft"
@@ -136,7 +137,7 @@ func TestCNIConcurrentAdds(t *testing.T) {
 			t.Errorf("ADD %d: %v", i, err)
 		}
 	}
-	want := nft.Ambient(nft.AmbientSpec{DNSCapture: true})
+	want := capture.Ambient(capture.AmbientSpec{DNSCapture: true})
 	for i, p := range nss {
 		if err := nft.Verify(p.FD, want); err != nil {
 			t.Errorf("pod %d: %v", i, err)
@@ -195,11 +196,11 @@ func TestCNISidecarFromRuntimeAnnotations(t *testing.T) {
 	if err != nil {
 		t.Fatalf("ADD: %v", err)
 	}
-	spec, err := nft.ParseSidecar(ann, nft.SidecarProxy{})
+	spec, err := capture.ParseSidecar(ann, capture.SidecarProxy{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := nft.Verify(pod.FD, nft.Sidecar(spec)); err != nil {
+	if err := nft.Verify(pod.FD, capture.Sidecar(spec)); err != nil {
 		t.Errorf("sidecar ruleset: %v", err)
 	}
 	if got := n.metric("istio_cni_plugin_requests_total", "type", "add", "result", "success"); got != 1 {
@@ -245,11 +246,11 @@ func TestCNISidecarFromAgent(t *testing.T) {
 	if _, err := n.add(full, rt); err != nil {
 		t.Fatalf("ADD: %v", err)
 	}
-	spec, err := nft.ParseSidecar(p.Annotations, nft.SidecarProxy{UID: 2000})
+	spec, err := capture.ParseSidecar(p.Annotations, capture.SidecarProxy{UID: 2000})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := nft.Verify(pod.FD, nft.Sidecar(spec)); err != nil {
+	if err := nft.Verify(pod.FD, capture.Sidecar(spec)); err != nil {
 		t.Errorf("sidecar ruleset from the agent: %v", err)
 	}
 	if got := n.enroller().Members(); len(got) != 1 || got[0].Mode != wire.ModeSidecar {
@@ -368,10 +369,10 @@ func TestLateEnrolmentFindsThePodThroughProc(t *testing.T) {
 	if e := n.ztunnel.Wait(zds.KindAdd, uid, 3*time.Second); e.FDs != 1 {
 		t.Errorf("ZDS Add carried %d fds", e.FDs)
 	}
-	if err := nft.Verify(p.Pod.FD, nft.Ambient(nft.AmbientSpec{DNSCapture: true})); err != nil {
+	if err := nft.Verify(p.Pod.FD, capture.Ambient(capture.AmbientSpec{DNSCapture: true})); err != nil {
 		t.Errorf("rules in the found netns: %v", err)
 	}
-	if err := nft.Verify(p.Node.FD, nft.Ambient(nft.AmbientSpec{DNSCapture: true})); err == nil {
+	if err := nft.Verify(p.Node.FD, capture.Ambient(capture.AmbientSpec{DNSCapture: true})); err == nil {
 		t.Error("rules landed in the node netns")
 	}
 	if set := n.probeSet(t); !strings.Contains(set, p.PodIP4.String()) {
@@ -446,11 +447,11 @@ func TestCNISidecarWithRuntimeAnnotationsTakesTheProxyUIDFromTheSpec(t *testing.
 	if _, err := n.add(full, rt); err != nil {
 		t.Fatalf("ADD: %v", err)
 	}
-	spec, err := nft.ParseSidecar(ann, nft.SidecarProxy{UID: proxyUID, GID: proxyUID})
+	spec, err := capture.ParseSidecar(ann, capture.SidecarProxy{UID: proxyUID, GID: proxyUID})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := nft.Verify(pod.FD, nft.Sidecar(spec)); err != nil {
+	if err := nft.Verify(pod.FD, capture.Sidecar(spec)); err != nil {
 		t.Errorf("sidecar ruleset: %v", err)
 	}
 

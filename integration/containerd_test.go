@@ -17,6 +17,7 @@ import (
 
 	"github.com/nftcni/nftcni/agent/records"
 	"github.com/nftcni/nftcni/agent/zds"
+	"github.com/nftcni/nftcni/capture"
 	"github.com/nftcni/nftcni/integration/containerdtest"
 	"github.com/nftcni/nftcni/internal/testnet"
 	"github.com/nftcni/nftcni/internal/ztunneltest"
@@ -279,7 +280,7 @@ func testCRIPods(t *testing.T, gen containerdtest.Generation, subnet int) {
 	// Enrolled: our ruleset in the sandbox's netns, its netns handed to
 	// ztunnel, and the pod's outbound TCP landing on ztunnel's 15001.
 	app, appNS := n.run("mesh", "app", "uid-app", nil)
-	if err := nft.Verify(appNS.FD, nft.Ambient(nft.AmbientSpec{DNSCapture: true})); err != nil {
+	if err := nft.Verify(appNS.FD, capture.Ambient(capture.AmbientSpec{DNSCapture: true})); err != nil {
 		t.Errorf("mesh/app's ruleset: %v", err)
 	}
 	n.z.Wait(zds.KindAdd, "uid-app", 5*time.Second)
@@ -316,11 +317,11 @@ func testCRIPods(t *testing.T, gen containerdtest.Generation, subnet int) {
 	}
 	before := n.addRequests()
 	sc, scNS := n.run("plain", "sidecar", "uid-sidecar", ann)
-	spec, err := nft.ParseSidecar(ann, nft.SidecarProxy{})
+	spec, err := capture.ParseSidecar(ann, capture.SidecarProxy{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := nft.Verify(scNS.FD, nft.Sidecar(spec)); err != nil {
+	if err := nft.Verify(scNS.FD, capture.Sidecar(spec)); err != nil {
 		t.Errorf("sidecar ruleset from runtime annotations: %v", err)
 	}
 	if after := n.addRequests(); after != before+1 {
@@ -365,7 +366,7 @@ func testCRIPods(t *testing.T, gen containerdtest.Generation, subnet int) {
 	app2, app2NS := n.run("mesh", "app2", "uid-app2", nil)
 	n.z.Wait(zds.KindAdd, "uid-app2", 5*time.Second)
 	n.killAgent()
-	if err := nft.Verify(app2NS.FD, nft.Ambient(nft.AmbientSpec{DNSCapture: true})); err != nil {
+	if err := nft.Verify(app2NS.FD, capture.Ambient(capture.AmbientSpec{DNSCapture: true})); err != nil {
 		t.Errorf("mesh/app2's ruleset with the agent down: %v", err)
 	}
 	n.startAgent()
@@ -380,7 +381,7 @@ func testCRIPods(t *testing.T, gen containerdtest.Generation, subnet int) {
 	}
 	app3, app3NS := n.run("mesh", "app3", "uid-app3", nil)
 	n.z.Wait(zds.KindAdd, "uid-app3", 5*time.Second)
-	if err := nft.Verify(app3NS.FD, nft.Ambient(nft.AmbientSpec{DNSCapture: true})); err != nil {
+	if err := nft.Verify(app3NS.FD, capture.Ambient(capture.AmbientSpec{DNSCapture: true})); err != nil {
 		t.Errorf("mesh/app3 after the restart: %v", err)
 	}
 	n.remove(app2)

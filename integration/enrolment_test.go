@@ -21,6 +21,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/nftcni/nftcni/agent/zds"
+	"github.com/nftcni/nftcni/capture"
 	"github.com/nftcni/nftcni/internal/testnet"
 	"github.com/nftcni/nftcni/internal/unixsock"
 	"github.com/nftcni/nftcni/internal/ztunneltest"
@@ -314,7 +315,7 @@ func TestDriftIsRepairedWithinOneInterval(t *testing.T) {
 	if _, err := n.add(n.installed(t), runtimeConf(app, "mesh", "app", nil)); err != nil {
 		t.Fatal(err)
 	}
-	want := nft.Ambient(nft.AmbientSpec{DNSCapture: true})
+	want := capture.Ambient(capture.AmbientSpec{DNSCapture: true})
 	if out, err := exec.Command("ip", "netns", "exec", app.Name, "nft", "flush", "table", "inet", nft.PodTable).CombinedOutput(); err != nil {
 		t.Fatalf("%v %s", err, out)
 	}

@@ -36,6 +36,7 @@ import (
 	kubesrc "github.com/nftcni/nftcni/agent/kube"
 	"github.com/nftcni/nftcni/agent/node"
 	"github.com/nftcni/nftcni/agent/zds"
+	"github.com/nftcni/nftcni/capture"
 	"github.com/nftcni/nftcni/integration/istiotest"
 	"github.com/nftcni/nftcni/integration/kubetest"
 	"github.com/nftcni/nftcni/internal/testnet"
@@ -317,7 +318,7 @@ func testHandover(t *testing.T, kube *kubetest.Server, subnet, count int, c hand
 		t.Errorf("the refused pod's rules changed:\n%s\nwas:\n%s", got, refusedBefore)
 	}
 	// inspect reports it by name too (no record: the agent answers).
-	in := &inspect.Inspector{RunDir: run, HostNetns: h.n.node.Path, Host: nft.HostSpec{IPv6: true}}
+	in := &inspect.Inspector{RunDir: run, HostNetns: h.n.node.Path, Host: capture.HostSpec{IPv6: true}}
 	var refused strings.Builder
 	if err := in.Target(&refused, meshNS+"/"+h.names[0]); err != nil || !strings.Contains(refused.String(), "istio-cni's rules left in place") {
 		t.Errorf("inspect of the refused pod %s: %v\n%s", h.names[0], err, refused.String())
@@ -366,7 +367,7 @@ func testHandover(t *testing.T, kube *kubetest.Server, subnet, count int, c hand
 		}
 		got, err := testnet.Accept(t, app, 2*time.Second)
 		c.Close()
-		if err != nil || got.Remote.Addr() != nft.ProbeSNATv4 {
+		if err != nil || got.Remote.Addr() != capture.ProbeSNATv4 {
 			t.Errorf("probe of %s from the host: %+v %v, want it from %s", h.names[i], got, err, istio.ProbeSNATv4)
 		}
 		app.Close()

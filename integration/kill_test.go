@@ -16,6 +16,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/nftcni/nftcni/capture"
 	"github.com/nftcni/nftcni/integration/kubetest"
 	"github.com/nftcni/nftcni/internal/testnet"
 	"github.com/nftcni/nftcni/istio"
@@ -152,7 +153,7 @@ func TestAgentKilledDuringAdds(t *testing.T) {
 			return slices.Equal(annotated, want)
 		})
 		for _, pr := range ok {
-			if err := nft.Verify(pr.netns.FD, nft.Ambient(nft.AmbientSpec{DNSCapture: true})); err != nil {
+			if err := nft.Verify(pr.netns.FD, capture.Ambient(capture.AmbientSpec{DNSCapture: true})); err != nil {
 				t.Errorf("round %d: enrolled pod %s: %v", r, pr.pod.Name, err)
 			}
 		}

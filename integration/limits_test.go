@@ -10,6 +10,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/nftcni/nftcni/agent/zds"
+	"github.com/nftcni/nftcni/capture"
 	"github.com/nftcni/nftcni/internal/testnet"
 	"github.com/nftcni/nftcni/istio"
 	"github.com/nftcni/nftcni/nft"
@@ -73,11 +74,11 @@ func TestSidecarManyCIDRsEnrol(t *testing.T) {
 	if _, err := n.add(n.list("bridge", "1.0.0", true, false), runtimeConf(pod, plainNS, "side", nil)); err != nil {
 		t.Fatalf("ADD of a sidecar pod excluding 2000 CIDRs: %v", err)
 	}
-	spec, err := nft.ParseSidecar(ann, nft.SidecarProxy{})
+	spec, err := capture.ParseSidecar(ann, capture.SidecarProxy{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := nft.Verify(pod.FD, nft.Sidecar(spec)); err != nil {
+	if err := nft.Verify(pod.FD, capture.Sidecar(spec)); err != nil {
 		t.Errorf("the sidecar ruleset: %v", err)
 	}
 }

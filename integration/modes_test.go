@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/nftcni/nftcni/agent/zds"
+	"github.com/nftcni/nftcni/capture"
 	"github.com/nftcni/nftcni/integration/containerdtest"
 	"github.com/nftcni/nftcni/integration/kubetest"
 	"github.com/nftcni/nftcni/internal/testnet"
@@ -87,7 +88,7 @@ func testCRIMode(t *testing.T, gen containerdtest.Generation, subnet int, mode s
 			t.Errorf("the agent wrote a drop-in for %s", rt)
 		}
 	} else {
-		if err := nft.Verify(appNS.FD, nft.Ambient(nft.AmbientSpec{DNSCapture: true})); err != nil {
+		if err := nft.Verify(appNS.FD, capture.Ambient(capture.AmbientSpec{DNSCapture: true})); err != nil {
 			t.Errorf("mesh/app's ruleset in %s mode: %v", mode, err)
 		}
 		n.z.Wait(zds.KindAdd, "uid-app", 5*time.Second)

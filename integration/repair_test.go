@@ -9,6 +9,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/nftcni/nftcni/capture"
 	"github.com/nftcni/nftcni/integration/kubetest"
 	"github.com/nftcni/nftcni/internal/testnet"
 	"github.com/nftcni/nftcni/nft"
@@ -131,11 +132,11 @@ func TestRepairProgramsABrokenSidecarPodInPlace(t *testing.T) {
 	}
 	h := newHost(t)
 	_, _, alog := startAgent(t, h, "--kubeconfig", api.AgentKubeconfig, "--node-name", "node-a", "--readiness-taint", "", "--readiness-condition", "")
-	spec, err := nft.ParseSidecar(ann, nft.SidecarProxy{UID: 1337, GID: 1337})
+	spec, err := capture.ParseSidecar(ann, capture.SidecarProxy{UID: 1337, GID: 1337})
 	if err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "the sidecar ruleset in the pod's netns", func() bool { return nft.Verify(pair.Pod.FD, nft.Sidecar(spec)) == nil })
+	eventually(t, "the sidecar ruleset in the pod's netns", func() bool { return nft.Verify(pair.Pod.FD, capture.Sidecar(spec)) == nil })
 	got, err := api.Client.CoreV1().Pods("shop").Get(ctx, "early", metav1.GetOptions{})
 	if err != nil || got.DeletionTimestamp != nil || got.Labels["cni.istio.io/uninitialized"] != "" {
 		t.Errorf("repaired in place, yet deleted or labelled: %v %+v\n%s", err, got.GetLabels(), alog)

@@ -9,6 +9,7 @@ import (
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
 	"github.com/nftcni/nftcni/agent/zds"
+	"github.com/nftcni/nftcni/capture"
 	"github.com/nftcni/nftcni/integration/containerdtest"
 	"github.com/nftcni/nftcni/internal/testnet"
 	"github.com/nftcni/nftcni/nft"
@@ -71,7 +72,7 @@ func TestCRIUserNamespacePod(t *testing.T) {
 		t.Fatal("the sandbox's netns belongs to the host's user namespace: the runtime gave the pod none of its own")
 	}
 
-	if err := nft.Verify(fd, nft.Ambient(nft.AmbientSpec{DNSCapture: true})); err != nil {
+	if err := nft.Verify(fd, capture.Ambient(capture.AmbientSpec{DNSCapture: true})); err != nil {
 		t.Errorf("the user-namespace pod's ruleset: %v", err)
 	}
 	n.z.Wait(zds.KindAdd, "uid-app", 5*time.Second)

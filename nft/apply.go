@@ -7,7 +7,6 @@ import (
 	"github.com/google/nftables"
 	"github.com/google/nftables/userdata"
 
-	"github.com/nftcni/nftcni/istio"
 	"github.com/nftcni/nftcni/nft/nlsend"
 )
 
@@ -131,15 +130,4 @@ func nftChain(t *nftables.Table, ch *Chain) *nftables.Chain {
 
 func nftRule(t *nftables.Table, c *nftables.Chain, r Rule) *nftables.Rule {
 	return &nftables.Rule{Table: t, Chain: c, Exprs: ruleExprs(r), UserData: userdata.AppendString(nil, ruleCommentType, r.Tag())}
-}
-
-// PodCleanup names everything a pod ruleset of any kind can leave in a pod
-// netns: our table and the policy routes of both the ambient and the TPROXY
-// sidecar rulesets, v4 and v6. Delete(fd, PodCleanup()) undoes either
-// without knowing which one was applied.
-func PodCleanup() *Ruleset {
-	rs := &Ruleset{Tables: []*Table{{Name: PodTable}}}
-	rs.Routes = append(rs.Routes, Ambient(AmbientSpec{IPv6: true}).Routes...)
-	rs.Routes = append(rs.Routes, Sidecar(SidecarSpec{Mode: istio.ModeTProxy, IPv6: true}).Routes...)
-	return rs
 }

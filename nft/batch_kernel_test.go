@@ -19,7 +19,7 @@ import (
 // Remove takes everything away, and a second Remove finds nothing to do.
 func TestProgramTwiceReplaces(t *testing.T) {
 	testnet.RequireRoot(t)
-	rs := Ambient(AmbientSpec{DNSCapture: true, IPv6: true})
+	rs := sample(true)
 	b, err := Encode(rs)
 	if err != nil {
 		t.Fatal(err)
@@ -37,7 +37,7 @@ func TestProgramTwiceReplaces(t *testing.T) {
 	if err != nil || strings.Count(string(out), "fwmark 0x111/0xfff lookup 100") != 1 {
 		t.Errorf("want one ip rule for the connmark, have (%v):\n%s", err, out)
 	}
-	removal, err := EncodeRemoval(PodCleanup())
+	removal, err := EncodeRemoval(sampleCleanup())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -46,7 +46,7 @@ func TestProgramTwiceReplaces(t *testing.T) {
 			t.Fatalf("remove %d: %v", i+1, err)
 		}
 	}
-	if out := nftList(t, n, PodTable); !strings.HasPrefix(out, "error:") {
+	if out := testnet.NftList(t, n, PodTable); !strings.HasPrefix(out, "error:") {
 		t.Errorf("table left after Remove:\n%s", out)
 	}
 	out, _ = exec.Command("ip", "-n", n.Name, "rule", "list").CombinedOutput()
@@ -60,7 +60,7 @@ func TestProgramTwiceReplaces(t *testing.T) {
 func TestProgramReportsTheKernelsReason(t *testing.T) {
 	testnet.RequireRoot(t)
 	tb := &Table{Name: PodTable}
-	tb.add("c", Jump("no-such-chain"))
+	tb.Add("c", Jump("no-such-chain"))
 	b, err := Encode(&Ruleset{Tables: []*Table{tb}})
 	if err != nil {
 		t.Fatal(err)
@@ -71,7 +71,7 @@ func TestProgramReportsTheKernelsReason(t *testing.T) {
 	if !errors.As(err, &nerr) || nerr.Errno != unix.ENOENT || nerr.Type != unix.NFNL_SUBSYS_NFTABLES<<8|unix.NFT_MSG_NEWRULE {
 		t.Fatalf("Program = %v, want ENOENT on a NEWRULE", err)
 	}
-	if out := nftList(t, n, PodTable); !strings.HasPrefix(out, "error:") {
+	if out := testnet.NftList(t, n, PodTable); !strings.HasPrefix(out, "error:") {
 		t.Errorf("a refused transaction left its table:\n%s", out)
 	}
 }
@@ -88,11 +88,11 @@ func TestGenerationMovesWithEveryCommit(t *testing.T) {
 	if g, _ := Generation(n.FD); g != g0 {
 		t.Fatalf("generation moved from %d to %d with no change", g0, g)
 	}
-	if err := Apply(n.FD, Ambient(AmbientSpec{})); err != nil {
+	if err := Apply(n.FD, sample(false)); err != nil {
 		t.Fatal(err)
 	}
 	g1, _ := Generation(n.FD)
-	nftRun(t, n, "add", "table", "inet", "someone-else")
+	testnet.Nft(t, n, "add", "table", "inet", "someone-else")
 	g2, _ := Generation(n.FD)
 	if g1 == g0 || g2 == g1 {
 		t.Errorf("generations %d, %d, %d: want a change with each commit", g0, g1, g2)

@@ -27,7 +27,7 @@ func headers(t *testing.T, b []byte) [][2]uint16 {
 // exactly one answer (on its last message), creates its table exclusively,
 // and encodes the same ruleset to the same bytes every time.
 func TestBatchAsksOneAckAndNoEcho(t *testing.T) {
-	rs := Ambient(AmbientSpec{DNSCapture: true, IPv6: true})
+	rs := sample(true)
 	b, err := Encode(rs)
 	if err != nil {
 		t.Fatal(err)

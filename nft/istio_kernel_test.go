@@ -58,20 +58,11 @@ func istioShape(t *testing.T, fd int, native, extra bool) {
 	}
 }
 
-func listRuleset(t *testing.T, n *testnet.NS) string {
-	t.Helper()
-	out, err := exec.Command("ip", "netns", "exec", n.Name, "nft", "list", "ruleset").CombinedOutput()
-	if err != nil {
-		t.Fatalf("nft list ruleset: %v\n%s", err, out)
-	}
-	return string(out)
-}
-
 // In one transaction, istio-cni's in-pod state goes and ours comes, for
 // either backend; a netns holding anything else beside it is refused and
 // left as it was.
 func TestTakeOverFromIstio(t *testing.T) {
-	rs := Ambient(AmbientSpec{DNSCapture: true, IPv6: true})
+	rs := sample(true)
 	b, err := Encode(rs)
 	if err != nil {
 		t.Fatal(err)
@@ -91,7 +82,7 @@ func TestTakeOverFromIstio(t *testing.T) {
 			if err := TakeOver(n.FD, b, s); err != nil {
 				t.Fatal(err)
 			}
-			got := listRuleset(t, n)
+			got := testnet.NftRuleset(t, n)
 			if strings.Contains(got, "istio") || strings.Contains(got, "ISTIO") || !strings.Contains(got, "table inet nftcni") {
 				t.Errorf("after the takeover:\n%s", got)
 			}
@@ -107,7 +98,7 @@ func TestTakeOverFromIstio(t *testing.T) {
 	t.Run("unknown rules beside Istio's", func(t *testing.T) {
 		n := testnet.NewNS(t, "takeover")
 		istioShape(t, n.FD, false, true)
-		before := listRuleset(t, n)
+		before := testnet.NftRuleset(t, n)
 		s, err := SurveyPod(n.FD)
 		if err != nil {
 			t.Fatal(err)
@@ -119,7 +110,7 @@ func TestTakeOverFromIstio(t *testing.T) {
 		if err := TakeOver(n.FD, b, s); !errors.As(err, &fe) {
 			t.Fatalf("TakeOver of a netns with unknown rules: %v, want a ForeignError", err)
 		}
-		if after := listRuleset(t, n); after != before {
+		if after := testnet.NftRuleset(t, n); after != before {
 			t.Errorf("a refused netns changed:\n%s\nwas:\n%s", after, before)
 		}
 	})
@@ -143,14 +134,14 @@ func TestTakeOverRefusesIptablesLegacy(t *testing.T) {
 		t.Fatalf("survey of a netns with iptables-legacy rules: legacy %v", s.Legacy)
 	}
 	var fe *ForeignError
-	b, err := Encode(Ambient(AmbientSpec{}))
+	b, err := Encode(sample(false))
 	if err != nil {
 		t.Fatal(err)
 	}
 	if err := TakeOver(n.FD, b, s); !errors.As(err, &fe) || !strings.Contains(err.Error(), "drain") {
 		t.Errorf("TakeOver: %v, want a refusal that says to drain", err)
 	}
-	if got := listRuleset(t, n); strings.Contains(got, "nftcni") {
+	if got := testnet.NftRuleset(t, n); strings.Contains(got, "nftcni") {
 		t.Errorf("a refused netns got our table:\n%s", got)
 	}
 }

@@ -1,11 +1,13 @@
-// Package nft builds nftcni's rulesets and programs them into a network
-// namespace through netlink (github.com/google/nftables); it never runs the
-// nft or iptables binaries.
+// Package nft is the mechanism under nftcni's rulesets: a ruleset as plain
+// data (tables, chains, sets, rules made of Terms, policy routes), encoded
+// into one netlink batch and programmed into a network namespace through
+// github.com/google/nftables, verified against the live kernel, and read
+// back. It never runs the nft or iptables binaries. What the rulesets say
+// (Istio's ambient and sidecar capture, the host probe table) is package
+// capture's. Fake is the kernel in memory, for the callers' tests.
 //
-// Each ruleset has a pure builder: a typed spec in, a Ruleset of plain
-// structs out (tables, chains, sets, rules made of Terms, plus policy
-// routes). Render prints a Ruleset the way `nft list table` does, which is
-// what golden tests and debug output compare against. Apply sends a whole
+// Render prints a Ruleset the way `nft list table` does, which is what
+// golden tests and debug output compare against. Apply sends a whole
 // Ruleset as one netlink batch, so the kernel applies all of it or nothing.
 //
 // Design notes:
@@ -33,6 +35,9 @@ import (
 
 	"github.com/google/nftables"
 )
+
+// PodTable is our table in a pod netns.
+const PodTable = "nftcni"
 
 // Table is one nftables table of ours.
 type Table struct {
@@ -131,8 +136,8 @@ func (t *Table) chain(name string) *Chain {
 	return nil
 }
 
-// add appends a rule to the named chain, creating a regular chain if needed.
-func (t *Table) add(chain string, terms ...Term) {
+// Add appends a rule to the named chain, creating a regular chain if needed.
+func (t *Table) Add(chain string, terms ...Term) {
 	c := t.chain(chain)
 	if c == nil {
 		c = &Chain{Name: chain}
@@ -141,7 +146,7 @@ func (t *Table) add(chain string, terms ...Term) {
 	c.Rules = append(c.Rules, Rule(terms))
 }
 
-// base declares a base chain; declare them first, in listing order.
-func (t *Table) base(name string, typ nftables.ChainType, hook *nftables.ChainHook, prio int32) {
+// Base declares a base chain; declare them first, in listing order.
+func (t *Table) Base(name string, typ nftables.ChainType, hook *nftables.ChainHook, prio int32) {
 	t.Chains = append(t.Chains, &Chain{Name: name, Hook: &Hook{Type: typ, Hook: *hook, Priority: prio}})
 }

@@ -17,6 +17,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 
+	"github.com/nftcni/nftcni/capture"
 	"github.com/nftcni/nftcni/istio"
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
@@ -60,7 +61,7 @@ type Config struct {
 	DNSCapture      bool // AMBIENT_DNS_CAPTURE
 	IPv6            bool // AMBIENT_IPV6
 	// ProbeSNAT is HOST_PROBE_SNAT_IP and _IPV6 (zero: Istio's defaults).
-	ProbeSNAT nft.ProbeSNAT
+	ProbeSNAT capture.ProbeSNAT
 }
 
 // DefaultConfig is istio-cni's default.
@@ -160,16 +161,16 @@ func (p *Policy) SelectorsMatch(pod *corev1.Pod, ns *corev1.Namespace) bool {
 type Decision struct {
 	Mode wire.Mode `json:"mode"`
 	// Reason is a short human explanation, logged by both sides.
-	Reason  string           `json:"reason,omitempty"`
-	Ambient *nft.AmbientSpec `json:"ambient,omitempty"`
-	Sidecar *SidecarDecision `json:"sidecar,omitempty"`
+	Reason  string               `json:"reason,omitempty"`
+	Ambient *capture.AmbientSpec `json:"ambient,omitempty"`
+	Sidecar *SidecarDecision     `json:"sidecar,omitempty"`
 }
 
 // SidecarDecision carries the inputs of a sidecar ruleset: the pod's
 // annotations and its proxy's identity.
 type SidecarDecision struct {
-	Annotations map[string]string `json:"annotations"`
-	Proxy       nft.SidecarProxy  `json:"proxy"`
+	Annotations map[string]string    `json:"annotations"`
+	Proxy       capture.SidecarProxy `json:"proxy"`
 }
 
 // Verdict is the decision as the plugin gets it.
@@ -184,16 +185,16 @@ func (d *Decision) Ruleset() (*nft.Ruleset, error) {
 		if d.Ambient == nil {
 			return nil, errors.New("ambient decision without a spec")
 		}
-		return nft.Ambient(*d.Ambient), nil
+		return capture.Ambient(*d.Ambient), nil
 	case wire.ModeSidecar:
 		if d.Sidecar == nil {
 			return nil, errors.New("sidecar decision without annotations")
 		}
-		spec, err := nft.ParseSidecar(d.Sidecar.Annotations, d.Sidecar.Proxy)
+		spec, err := capture.ParseSidecar(d.Sidecar.Annotations, d.Sidecar.Proxy)
 		if err != nil {
 			return nil, err
 		}
-		return nft.Sidecar(spec), nil
+		return capture.Sidecar(spec), nil
 	}
 	return nil, fmt.Errorf("unknown mode %q", d.Mode)
 }
@@ -218,7 +219,7 @@ func (p *Policy) Decide(pod *corev1.Pod, ns *corev1.Namespace, ips []string) *De
 	if !p.SelectorsMatch(pod, ns) {
 		return none("no enablement selector matches")
 	}
-	spec := nft.AmbientSpec{DNSCapture: p.cfg.DNSCapture, IPv6: p.cfg.IPv6 && hasIPv6(ips), ProbeSNAT: p.cfg.ProbeSNAT}
+	spec := capture.AmbientSpec{DNSCapture: p.cfg.DNSCapture, IPv6: p.cfg.IPv6 && hasIPv6(ips), ProbeSNAT: p.cfg.ProbeSNAT}
 	if v, ok := pod.Annotations[istio.AnnDNSCapture]; ok {
 		if b, err := strconv.ParseBool(v); err == nil {
 			spec.DNSCapture = b
@@ -279,7 +280,7 @@ func (p *Policy) sidecar(pod *corev1.Pod, ips []string) *Decision {
 	// (tools/common/config getLocalIP): a dual-stack pod whose proxy does
 	// not listen on IPv6 keeps its IPv6 traffic uncaptured.
 	ipv6 := hasIPv6(ips) && (env(istio.EnvDualStack) || !hasIPv4(ips))
-	px := nft.SidecarProxy{UID: istio.ProxyID, GID: istio.ProxyID, DNSCapture: env(istio.EnvDNSCapture),
+	px := capture.SidecarProxy{UID: istio.ProxyID, GID: istio.ProxyID, DNSCapture: env(istio.EnvDNSCapture),
 		DropInvalid: env(istio.EnvInvalidDrop), IPv6: ipv6}
 	if sc := proxy.SecurityContext; sc != nil {
 		if sc.RunAsUser != nil && *sc.RunAsUser > 0 {

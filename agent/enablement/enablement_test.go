@@ -6,8 +6,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/nftcni/nftcni/capture"
 	"github.com/nftcni/nftcni/istio"
-	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
 
@@ -72,7 +72,7 @@ func TestAmbientOverrides(t *testing.T) {
 	d := p.Decide(pod("mesh", nil, map[string]string{
 		istio.AnnDNSCapture: "false", istio.AnnBypassInbound: "true", istio.AnnRerouteInterfaces: "tun0, ,kubevirt0",
 	}), ambientNS, dual)
-	want := nft.AmbientSpec{DNSCapture: false, IPv6: true, IngressBypass: true, VirtualInterfaces: []string{"tun0", "kubevirt0"}}
+	want := capture.AmbientSpec{DNSCapture: false, IPv6: true, IngressBypass: true, VirtualInterfaces: []string{"tun0", "kubevirt0"}}
 	if d.Mode != wire.ModeAmbient || d.Ambient == nil || !equalSpec(*d.Ambient, want) {
 		t.Errorf("overrides: %+v", d.Ambient)
 	}
@@ -89,7 +89,7 @@ func TestAmbientOverrides(t *testing.T) {
 	}
 }
 
-func equalSpec(a, b nft.AmbientSpec) bool {
+func equalSpec(a, b capture.AmbientSpec) bool {
 	if a.DNSCapture != b.DNSCapture || a.IPv6 != b.IPv6 || a.IngressBypass != b.IngressBypass || len(a.VirtualInterfaces) != len(b.VirtualInterfaces) {
 		return false
 	}
@@ -120,7 +120,7 @@ func TestSidecarFromPodSpec(t *testing.T) {
 	if d.Mode != wire.ModeSidecar {
 		t.Fatalf("injected pod: %+v", d)
 	}
-	if want := (nft.SidecarProxy{UID: 2000, GID: 3000, DNSCapture: true, DropInvalid: true}); d.Sidecar.Proxy != want {
+	if want := (capture.SidecarProxy{UID: 2000, GID: 3000, DNSCapture: true, DropInvalid: true}); d.Sidecar.Proxy != want {
 		t.Errorf("proxy = %+v, want %+v", d.Sidecar.Proxy, want)
 	}
 	// IPv6 rules as Istio's capture decides them: for a pod whose first

@@ -12,8 +12,8 @@ import (
 	"github.com/nftcni/nftcni/agent/enablement"
 	"github.com/nftcni/nftcni/agent/hostprobe"
 	"github.com/nftcni/nftcni/agent/records"
+	"github.com/nftcni/nftcni/capture"
 	"github.com/nftcni/nftcni/internal/testnet"
-	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
 
@@ -32,7 +32,7 @@ func BenchmarkCompletion(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer f.Close()
-	tb, err := hostprobe.Open(f, nft.HostSpec{IPv6: true}, slog.New(slog.DiscardHandler))
+	tb, err := hostprobe.Open(f, capture.HostSpec{IPv6: true}, slog.New(slog.DiscardHandler))
 	if err != nil {
 		b.Fatal(err)
 	}

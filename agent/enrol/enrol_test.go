@@ -22,6 +22,7 @@ import (
 	"github.com/nftcni/nftcni/agent/podsource"
 	"github.com/nftcni/nftcni/agent/records"
 	"github.com/nftcni/nftcni/agent/zds"
+	"github.com/nftcni/nftcni/capture"
 	"github.com/nftcni/nftcni/istio"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
@@ -337,7 +338,7 @@ func (r *rig) dump(name string) string { return r.rules.Dump(int(r.netns[name].F
 // with an IPv4 address, as nft would list it.
 func (r *rig) ambientRules() string {
 	r.t.Helper()
-	b, err := nft.Encode(nft.Ambient(nft.AmbientSpec{DNSCapture: true, IPv6: false}))
+	b, err := nft.Encode(capture.Ambient(capture.AmbientSpec{DNSCapture: true, IPv6: false}))
 	if err != nil {
 		r.t.Fatal(err)
 	}
@@ -545,7 +546,7 @@ func TestDelRemovesTheRulesThroughTheHandedNetns(t *testing.T) {
 
 	// A pod the agent never saw (a restart lost it): its rules still go.
 	ghost, ns := r.sandbox("mesh", "ghost", "uid-ghost", "10.0.0.9")
-	b, err := nft.Encode(nft.Ambient(nft.AmbientSpec{DNSCapture: true}))
+	b, err := nft.Encode(capture.Ambient(capture.AmbientSpec{DNSCapture: true}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -786,7 +787,7 @@ func TestAdoptionThroughProc(t *testing.T) {
 	r.running("plain", "b", "uid-b", "10.0.0.6", enabled)
 	r.pod("mesh", "c", "uid-c", "10.0.0.7").Annotations = enabled // no netns anywhere
 	// b still holds a ruleset from before.
-	b, err := nft.Encode(nft.Ambient(nft.AmbientSpec{DNSCapture: true}))
+	b, err := nft.Encode(capture.Ambient(capture.AmbientSpec{DNSCapture: true}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -920,7 +921,7 @@ func TestFailedLateEnrolmentKeepsExistingCapture(t *testing.T) {
 	r.namespace("mesh", true)
 	r.running("mesh", "a", "uid-a", "10.0.0.5", nil)
 	r.running("mesh", "b", "uid-b", "10.0.0.6", nil)
-	b, err := nft.Encode(nft.Ambient(nft.AmbientSpec{DNSCapture: true}))
+	b, err := nft.Encode(capture.Ambient(capture.AmbientSpec{DNSCapture: true}))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/nftcni/nftcni/agent/enablement"
+	"github.com/nftcni/nftcni/capture"
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/nft/nlsend"
 	"github.com/nftcni/nftcni/plugin/wire"
@@ -14,7 +15,7 @@ import (
 // NftRules is Rules on package nft.
 type NftRules struct{}
 
-var podCleanup = sync.OnceValues(func() (*nlsend.Removal, error) { return nft.EncodeRemoval(nft.PodCleanup()) })
+var podCleanup = sync.OnceValues(func() (*nlsend.Removal, error) { return nft.EncodeRemoval(capture.PodCleanup()) })
 
 // Program writes b into the netns behind fd.
 func (NftRules) Program(fd int, b *nft.Batch) error { return nft.Program(fd, b) }

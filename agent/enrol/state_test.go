@@ -6,8 +6,8 @@ import (
 	"testing"
 
 	"github.com/nftcni/nftcni/agent/enablement"
+	"github.com/nftcni/nftcni/capture"
 	"github.com/nftcni/nftcni/istio"
-	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
 
@@ -106,7 +106,7 @@ func cell(t *testing.T, s state, ev event) (before, after string) {
 		}
 		c.how = how{rules: func(context.Context) error { return r.e.rules.Program(p.fd(), batch) }}
 	case evChanged:
-		c.d = &enablement.Decision{Mode: wire.ModeAmbient, Reason: "test", Ambient: &nft.AmbientSpec{DNSCapture: false}}
+		c.d = &enablement.Decision{Mode: wire.ModeAmbient, Reason: "test", Ambient: &capture.AmbientSpec{DNSCapture: false}}
 	case evDel, evReAdd, evDeletedAway, evDrift:
 		if p.netns != nil { // the rules went before: the plugin's DEL, or someone else (drift)
 			r.rules.Fake.Remove(p.fd())

@@ -9,6 +9,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/nftcni/nftcni/capture"
 	"github.com/nftcni/nftcni/nft"
 )
 
@@ -100,7 +101,7 @@ func (k *fakeKernel) Close() error              { return nil }
 // not there fails, which is why the agent asserts it first).
 func TestTableLogic(t *testing.T) {
 	k := &fakeKernel{}
-	tb, err := New(k, nft.HostSpec{IPv6: true}, slog.New(slog.DiscardHandler))
+	tb, err := New(k, capture.HostSpec{IPv6: true}, slog.New(slog.DiscardHandler))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -145,7 +146,7 @@ func TestTableLogic(t *testing.T) {
 
 	// A restarted agent keeps what it cannot account for yet, then makes
 	// the table exactly its members.
-	tb2, err := New(k, nft.HostSpec{IPv6: true}, slog.New(slog.DiscardHandler))
+	tb2, err := New(k, capture.HostSpec{IPv6: true}, slog.New(slog.DiscardHandler))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -161,7 +162,7 @@ func TestTableLogic(t *testing.T) {
 	if got, _, _ := k.Elements(); !maps.Equal(got, map[netip.Addr]string{ip3: "uid-b"}) {
 		t.Errorf("exact Assert: %v", got)
 	}
-	if err := tb2.Delete(); err != nil || k.rs != nil || !strings.Contains(render(nft.HostProbe(nft.HostSpec{IPv6: true}, nil)), nft.HostTable) {
+	if err := tb2.Delete(); err != nil || k.rs != nil || !strings.Contains(render(capture.HostProbe(capture.HostSpec{IPv6: true}, nil)), nft.HostTable) {
 		t.Errorf("Delete: %v, table %v", err, k.rs)
 	}
 }

@@ -1,4 +1,4 @@
-// Package hostprobe keeps the host probe SNAT table (nft.HostProbe): the
+// Package hostprobe keeps the host probe SNAT table (capture.HostProbe): the
 // sets of enrolled pod IPs whose kubelet probes are SNATed to
 // 169.254.7.127, each element owned by a pod UID.
 //
@@ -19,13 +19,14 @@ import (
 	"sync"
 	"time"
 
+	"github.com/nftcni/nftcni/capture"
 	"github.com/nftcni/nftcni/nft"
 )
 
 // Table is the host probe table of one node.
 type Table struct {
 	k    Kernel
-	spec nft.HostSpec
+	spec capture.HostSpec
 	log  *slog.Logger
 
 	mu     sync.Mutex
@@ -59,7 +60,7 @@ func (k netlinkKernel) Delete(rs *nft.Ruleset) error { return nft.Delete(k.fd, r
 
 // Open connects to the host netns behind host and reads what the table
 // holds now (nothing if it is not there yet).
-func Open(host *os.File, spec nft.HostSpec, log *slog.Logger) (*Table, error) {
+func Open(host *os.File, spec capture.HostSpec, log *slog.Logger) (*Table, error) {
 	fd := int(host.Fd())
 	set, err := nft.OpenProbeSet(fd)
 	if err != nil {
@@ -73,7 +74,7 @@ func Open(host *os.File, spec nft.HostSpec, log *slog.Logger) (*Table, error) {
 }
 
 // New is a Table on k, holding what k holds now.
-func New(k Kernel, spec nft.HostSpec, log *slog.Logger) (*Table, error) {
+func New(k Kernel, spec capture.HostSpec, log *slog.Logger) (*Table, error) {
 	t := &Table{k: k, spec: spec, log: log}
 	var err error
 	if t.owners, _, err = k.Elements(); err != nil {
@@ -173,7 +174,7 @@ func (t *Table) Assert(members []nft.Member, keepPresent bool) (bool, error) {
 			}
 		}
 	}
-	want := nft.HostProbe(t.spec, nft.Members(owners))
+	want := capture.HostProbe(t.spec, nft.Members(owners))
 	err := t.k.Verify(want)
 	var drift *nft.DriftError
 	switch {
@@ -196,7 +197,7 @@ func (t *Table) Assert(members []nft.Member, keepPresent bool) (bool, error) {
 func (t *Table) Repair() (bool, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	want := nft.HostProbe(t.spec, nft.Members(t.owners))
+	want := capture.HostProbe(t.spec, nft.Members(t.owners))
 	err := t.k.Verify(want)
 	var drift *nft.DriftError
 	switch {
@@ -244,5 +245,5 @@ func (t *Table) Delete() error {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.owners = map[netip.Addr]string{}
-	return t.k.Delete(nft.HostProbe(t.spec, nil))
+	return t.k.Delete(capture.HostProbe(t.spec, nil))
 }

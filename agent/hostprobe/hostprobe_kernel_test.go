@@ -11,6 +11,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/nftcni/nftcni/capture"
 	"github.com/nftcni/nftcni/internal/testnet"
 	"github.com/nftcni/nftcni/nft"
 )
@@ -26,7 +27,7 @@ func open(t *testing.T) (*Table, *testnet.NS) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { f.Close() })
-	tb, err := Open(f, nft.HostSpec{IPv6: true}, slog.New(slog.DiscardHandler))
+	tb, err := Open(f, capture.HostSpec{IPv6: true}, slog.New(slog.DiscardHandler))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -17,6 +17,7 @@ import (
 
 	"github.com/nftcni/nftcni/agent/enablement"
 	"github.com/nftcni/nftcni/agent/records"
+	"github.com/nftcni/nftcni/capture"
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
@@ -29,7 +30,7 @@ var ErrDrift = errors.New("drift found")
 // without changing anything, and asks the running agent for the rest.
 type Inspector struct {
 	RunDir, HostNetns string
-	Host              nft.HostSpec
+	Host              capture.HostSpec
 }
 
 // Target prints one pod (namespace/name or its netns path) or "host".
@@ -164,7 +165,7 @@ func (i *Inspector) host(out io.Writer, recs []records.Record) error {
 	}
 	defer unix.Close(fd)
 	fmt.Fprintf(out, "host (netns %s)\n  enrolled ambient pods recorded: %d\n", i.HostNetns, len(members))
-	return check(out, fd, nft.HostTable, nft.HostProbe(i.Host, members))
+	return check(out, fd, nft.HostTable, capture.HostProbe(i.Host, members))
 }
 
 // check prints the verdict and the live table; drift is errDrift.

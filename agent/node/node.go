@@ -29,6 +29,7 @@ import (
 	"github.com/nftcni/nftcni/agent/repair"
 	"github.com/nftcni/nftcni/agent/runlock"
 	"github.com/nftcni/nftcni/agent/zds"
+	"github.com/nftcni/nftcni/capture"
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
@@ -48,7 +49,7 @@ type Config struct {
 	// the agent gives up; 0 means 30 s (istio-cni's grace period).
 	ZtunnelSocketWait time.Duration
 	IPv6              bool
-	ProbeSNAT         nft.ProbeSNAT
+	ProbeSNAT         capture.ProbeSNAT
 	Policy            *enablement.Policy
 
 	// Where pods come from: Kubernetes (Kube set), a static directory
@@ -217,7 +218,7 @@ func (n *Node) openHost(cfg Config) (*os.File, error) {
 		return nil, fmt.Errorf("--host-netns %s: %w (in a pod: mount the host's /proc and add CAP_SYS_PTRACE to open /host/proc/1/ns/net)", cfg.HostNetns, err)
 	}
 	n.closers = append(n.closers, func() { hostNetns.Close() })
-	if n.Host, err = hostprobe.Open(hostNetns, nft.HostSpec{IPv6: cfg.IPv6, SNAT: cfg.ProbeSNAT}, cfg.Log); err != nil {
+	if n.Host, err = hostprobe.Open(hostNetns, capture.HostSpec{IPv6: cfg.IPv6, SNAT: cfg.ProbeSNAT}, cfg.Log); err != nil {
 		return nil, fmt.Errorf("host probe table in %s: %w%s", cfg.HostNetns, err, capsHint)
 	}
 	n.closers = append(n.closers, func() { n.Host.Close() })

@@ -13,6 +13,7 @@ import (
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
+	"github.com/nftcni/nftcni/capture"
 	"github.com/nftcni/nftcni/internal/testnet"
 	"github.com/nftcni/nftcni/nft"
 )
@@ -141,13 +142,13 @@ func TestHostProbeGoldens(t *testing.T) {
 			}
 			// Istio's host tests set the IPv6 SNAT address per backend: its
 			// test address (nftables) or the default (iptables).
-			var snat nft.ProbeSNAT
+			var snat capture.ProbeSNAT
 			switch {
 			case !v6:
 			case strings.Contains(golden, istioTestSNAT6.String()):
 				snat.V6 = istioTestSNAT6
-			case !strings.Contains(golden, nft.ProbeSNATv6.String()):
-				t.Fatalf("%s SNATs to neither %s nor %s", name, istioTestSNAT6, nft.ProbeSNATv6)
+			case !strings.Contains(golden, capture.ProbeSNATv6.String()):
+				t.Fatalf("%s SNATs to neither %s nor %s", name, istioTestSNAT6, capture.ProbeSNATv6)
 			}
 			c := Case{Name: backend + "/" + name, Shape: Shape{IPv6: true}, Only: hostProbes(true),
 				Istio: func(t testing.TB, tw *Twin) {
@@ -161,7 +162,7 @@ func TestHostProbeGoldens(t *testing.T) {
 				Nftcni: func(t testing.TB, tw *Twin) {
 					hostTwin(t, tw)
 					members := []nft.Member{{UID: "pod-uid", IPs: []netip.Addr{PodIP4, PodIP6}}}
-					if err := nft.Apply(tw.Node.FD, nft.HostProbe(nft.HostSpec{IPv6: v6, SNAT: snat}, members)); err != nil {
+					if err := nft.Apply(tw.Node.FD, capture.HostProbe(capture.HostSpec{IPv6: v6, SNAT: snat}, members)); err != nil {
 						t.Fatal(err)
 					}
 				}}

@@ -14,6 +14,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/nftcni/nftcni/agent/enablement"
+	"github.com/nftcni/nftcni/capture"
 	"github.com/nftcni/nftcni/internal/testnet"
 	"github.com/nftcni/nftcni/istio"
 	"github.com/nftcni/nftcni/nft"
@@ -144,10 +145,10 @@ func (c captureConfig) notExpressible() string {
 }
 
 // spec is the configuration as nftcni's sidecar builder takes it.
-func (c captureConfig) spec(t testing.TB) nft.SidecarSpec {
+func (c captureConfig) spec(t testing.TB) capture.SidecarSpec {
 	uid, _ := strconv.ParseUint(c.UID, 10, 32)
 	gid, _ := strconv.ParseUint(c.GID, 10, 32)
-	s := nft.SidecarSpec{Mode: c.Mode, InboundAll: c.InInclude == "*", ExcludeInboundPorts: ports(t, c.InExclude),
+	s := capture.SidecarSpec{Mode: c.Mode, InboundAll: c.InInclude == "*", ExcludeInboundPorts: ports(t, c.InExclude),
 		OutboundAll: c.RangesInclude == "*", ExcludeOutboundCIDRs: cidrs(t, c.RangesExclude),
 		OutboundPorts: ports(t, c.OutPortsInclude), ExcludeOutboundPorts: ports(t, c.OutPortsExc),
 		ExcludeInterfaces: splitList(c.ExcludeIfs), RerouteInterfaces: splitList(c.Reroute),
@@ -250,7 +251,7 @@ func captureCases(t *testing.T, backend string) []Case {
 			c.NotExpressible = why
 		} else {
 			spec := cfg.spec(t)
-			c.Nftcni = func(t testing.TB, tw *Twin) { applyNftcni(t, tw, nft.Sidecar(spec)) }
+			c.Nftcni = func(t testing.TB, tw *Twin) { applyNftcni(t, tw, capture.Sidecar(spec)) }
 		}
 		cases = append(cases, c)
 	}

@@ -7,6 +7,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/nftcni/nftcni/capture"
 	"github.com/nftcni/nftcni/internal/testnet"
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/nft/nlsend"
@@ -19,7 +20,7 @@ import (
 func TestTableThereAsksWithAGet(t *testing.T) {
 	testnet.RequireRoot(t)
 	n := testnet.NewNS(t, "nlsend")
-	removal, err := nft.EncodeRemoval(nft.PodCleanup())
+	removal, err := nft.EncodeRemoval(capture.PodCleanup())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -39,7 +40,7 @@ func TestTableThereAsksWithAGet(t *testing.T) {
 	if there() {
 		t.Fatal("a fresh netns has our table")
 	}
-	b, err := nft.Encode(nft.Ambient(nft.AmbientSpec{DNSCapture: true}))
+	b, err := nft.Encode(capture.Ambient(capture.AmbientSpec{DNSCapture: true}))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -11,8 +11,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/nftcni/nftcni/capture"
 	"github.com/nftcni/nftcni/istio"
-	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
 
@@ -112,8 +112,8 @@ func (p *probeSNATFlags) register(f *flagSet) {
 
 // parse checks the addresses; Istio's defaults stay the zero value, so
 // the pods' recorded decisions do not change with them.
-func (p *probeSNATFlags) parse() (nft.ProbeSNAT, error) {
-	var out nft.ProbeSNAT
+func (p *probeSNATFlags) parse() (capture.ProbeSNAT, error) {
+	var out capture.ProbeSNAT
 	for _, a := range []struct {
 		name, v string
 		v4      bool

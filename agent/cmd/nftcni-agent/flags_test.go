@@ -5,8 +5,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/nftcni/nftcni/capture"
 	"github.com/nftcni/nftcni/istio"
-	"github.com/nftcni/nftcni/nft"
 )
 
 // TestProbeSNATFlags: Istio's defaults stay the zero value (so recorded
@@ -15,11 +15,11 @@ import (
 func TestProbeSNATFlags(t *testing.T) {
 	for _, c := range []struct {
 		v4, v6 string
-		want   nft.ProbeSNAT
+		want   capture.ProbeSNAT
 		err    string
 	}{
 		{v4: istio.ProbeSNATv4, v6: istio.ProbeSNATv6},
-		{v4: "169.254.7.128", v6: "e9ac::1", want: nft.ProbeSNAT{V4: netip.MustParseAddr("169.254.7.128"), V6: netip.MustParseAddr("e9ac::1")}},
+		{v4: "169.254.7.128", v6: "e9ac::1", want: capture.ProbeSNAT{V4: netip.MustParseAddr("169.254.7.128"), V6: netip.MustParseAddr("e9ac::1")}},
 		{v4: "fd00::1", v6: istio.ProbeSNATv6, err: "--host-probe-snat-ip"},
 		{v4: istio.ProbeSNATv4, v6: "169.254.7.127", err: "--host-probe-snat-ipv6"},
 		{v4: "not an address", v6: istio.ProbeSNATv6, err: "want an IPv4 address"},

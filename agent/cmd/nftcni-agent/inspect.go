@@ -6,7 +6,7 @@ import (
 	"io"
 
 	"github.com/nftcni/nftcni/agent/inspect"
-	"github.com/nftcni/nftcni/nft"
+	"github.com/nftcni/nftcni/capture"
 )
 
 const inspectUsage = `usage: nftcni-agent inspect [flags] <namespace/name | /path/to/netns | host>
@@ -47,5 +47,5 @@ func inspectCmd(args []string, out io.Writer) error {
 	if err != nil {
 		return err
 	}
-	return (&inspect.Inspector{RunDir: i.runDir, HostNetns: i.hostNetns, Host: nft.HostSpec{IPv6: i.ipv6, SNAT: snat}}).Target(out, f.Arg(0))
+	return (&inspect.Inspector{RunDir: i.runDir, HostNetns: i.hostNetns, Host: capture.HostSpec{IPv6: i.ipv6, SNAT: snat}}).Target(out, f.Arg(0))
 }

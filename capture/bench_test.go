@@ -1,4 +1,4 @@
-package nft
+package capture
 
 import (
 	"encoding/binary"
@@ -20,6 +20,7 @@ import (
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
+	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/nft/nlsend"
 )
 
@@ -117,13 +118,13 @@ func BenchmarkProgramFresh(b *testing.B) {
 		b.Skip("needs root")
 	}
 	rs := Ambient(AmbientSpec{DNSCapture: true, IPv6: true})
-	batch, err := Encode(rs)
+	batch, err := nft.Encode(rs)
 	if err != nil {
 		b.Fatal(err)
 	}
 	dir := b.TempDir()
 	nftFile := filepath.Join(dir, "ambient.nft")
-	if err := os.WriteFile(nftFile, []byte(Render(rs.Tables...)), 0o644); err != nil {
+	if err := os.WriteFile(nftFile, []byte(nft.Render(rs.Tables...)), 0o644); err != nil {
 		b.Fatal(err)
 	}
 	iptFile := filepath.Join(dir, "ambient.iptables")
@@ -150,10 +151,10 @@ func BenchmarkProgramFresh(b *testing.B) {
 	}
 	ways := []way{
 		{"kernel-floor", func(fd int) (time.Duration, error) { return kernelFloor(fd, batch) }},
-		{"program-warm", timed(func(fd int) error { return Program(fd, batch) })},
+		{"program-warm", timed(func(fd int) error { return nft.Program(fd, batch) })},
 		{"program-cold", func(fd int) (time.Duration, error) { return coldProgram(fd, batchFile, true) }},
 		{"program-cold-own-sockets", func(fd int) (time.Duration, error) { return coldProgram(fd, batchFile, false) }},
-		{"apply-warm", timed(func(fd int) error { return Apply(fd, rs) })},
+		{"apply-warm", timed(func(fd int) error { return nft.Apply(fd, rs) })},
 		{"exec-baseline", timed(func(fd int) error { return execIn(fd, "true") })},
 	}
 	for _, tool := range []struct{ name, bin, file string }{
@@ -200,7 +201,7 @@ func BenchmarkProgramFresh(b *testing.B) {
 // kernelFloor opens one socket per protocol in the netns (not timed), then
 // times the two sendto calls carrying batch and the read of each ack: the
 // kernel's own work on the transaction and the routes, and nothing else.
-func kernelFloor(fd int, batch *Batch) (time.Duration, error) {
+func kernelFloor(fd int, batch *nft.Batch) (time.Duration, error) {
 	socks, err := nlsend.Dial(fd, unix.NETLINK_NETFILTER, unix.NETLINK_ROUTE)
 	if err != nil {
 		return 0, err
@@ -279,7 +280,7 @@ func coldProgram(fd int, batchFile string, handSockets bool) (time.Duration, err
 // this process before the timed call but its package init.
 func coldChild(batchFile string) int {
 	raw, err := os.ReadFile(batchFile)
-	var batch Batch
+	var batch nft.Batch
 	if err == nil {
 		err = json.Unmarshal(raw, &batch)
 	}
@@ -295,7 +296,7 @@ func coldChild(batchFile string) int {
 	if len(socks) > 0 {
 		err = nlsend.ProgramOn(socks, &batch.Batch)
 	} else {
-		err = Program(3, &batch)
+		err = nft.Program(3, &batch)
 	}
 	took := time.Since(start)
 	if err != nil {
@@ -307,13 +308,8 @@ func coldChild(batchFile string) int {
 }
 
 func tablePresent(fd int, name string) error {
-	c, err := conn(fd)
-	if err != nil {
-		return err
-	}
-	defer c.CloseLasting()
-	have, err := ourTables(c, []string{name})
-	if err == nil && !have[name] {
+	have, err := nft.HasTable(fd, name)
+	if err == nil && !have {
 		err = fmt.Errorf("table %s not created by the captured batch", name)
 	}
 	return err
@@ -367,7 +363,7 @@ func BenchmarkApply1000Concurrent(b *testing.B) {
 			go func() {
 				defer wg.Done()
 				for fd := range work {
-					if err := Apply(fd, rs); err != nil {
+					if err := nft.Apply(fd, rs); err != nil {
 						mu.Lock()
 						firstErr = err
 						mu.Unlock()

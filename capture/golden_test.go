@@ -1,4 +1,4 @@
-package nft
+package capture
 
 import (
 	"flag"
@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/nftcni/nftcni/istio"
+	"github.com/nftcni/nftcni/nft"
 )
 
 var update = flag.Bool("update", false, "rewrite golden files")
@@ -15,7 +16,7 @@ var update = flag.Bool("update", false, "rewrite golden files")
 // variant is one ruleset under test; name is its golden file.
 type variant struct {
 	name string
-	rs   *Ruleset
+	rs   *nft.Ruleset
 }
 
 func sidecarDefaults(t testing.TB, ann map[string]string, p SidecarProxy) SidecarSpec {
@@ -57,7 +58,7 @@ func variants(t testing.TB) []variant {
 			istio.AnnExcludeOutboundPorts: "15020,5432,53,8443",
 		}, SidecarProxy{IPv6: true}))},
 		{"sidecar-tproxy-ports", Sidecar(sidecarDefaults(t, map[string]string{istio.AnnInterceptionMode: "TPROXY", istio.AnnIncludeInboundPorts: "8080"}, SidecarProxy{}))},
-		{"host-probe", HostProbe(HostSpec{IPv6: true}, []Member{{UID: uid, IPs: []netip.Addr{netip.MustParseAddr("10.244.1.7"), netip.MustParseAddr("fd00:244::7")}}})},
+		{"host-probe", HostProbe(HostSpec{IPv6: true}, []nft.Member{{UID: uid, IPs: []netip.Addr{netip.MustParseAddr("10.244.1.7"), netip.MustParseAddr("fd00:244::7")}}})},
 	}
 }
 
@@ -66,7 +67,7 @@ func variants(t testing.TB) []variant {
 func TestGolden(t *testing.T) {
 	for _, v := range variants(t) {
 		t.Run(v.name, func(t *testing.T) {
-			got := Render(v.rs.Tables...)
+			got := nft.Render(v.rs.Tables...)
 			path := filepath.Join("testdata", v.name+".golden")
 			if *update {
 				if err := os.WriteFile(path, []byte(got), 0o644); err != nil {

@@ -1,6 +1,6 @@
 //go:build !unit
 
-package nft
+package capture
 
 import (
 	"errors"
@@ -14,30 +14,8 @@ import (
 
 	"github.com/nftcni/nftcni/internal/testnet"
 	"github.com/nftcni/nftcni/istio"
+	"github.com/nftcni/nftcni/nft"
 )
-
-var counters = regexp.MustCompile(`counter packets \d+ bytes \d+`)
-
-// nftList runs `nft list table` in a netns (tests may read with nft; the
-// product never runs it) with counters normalised to "counter".
-func nftList(t *testing.T, n *testnet.NS, table string) string {
-	t.Helper()
-	if _, err := exec.LookPath("nft"); err != nil {
-		t.Skip("the nft binary (Debian nftables) is needed to read rules back")
-	}
-	out, err := exec.Command("ip", "netns", "exec", n.Name, "nft", "list", "table", "inet", table).CombinedOutput()
-	if err != nil {
-		return "error: " + strings.TrimSpace(string(out))
-	}
-	return counters.ReplaceAllString(string(out), "counter")
-}
-
-func nftRun(t *testing.T, n *testnet.NS, args ...string) {
-	t.Helper()
-	if out, err := exec.Command("ip", append([]string{"netns", "exec", n.Name, "nft"}, args...)...).CombinedOutput(); err != nil {
-		t.Fatalf("nft %v: %v\n%s", args, err, out)
-	}
-}
 
 // TestApplyMatchesGoldenInNetns programs every variant into a fresh netns and
 // checks that nft lists exactly the golden text, that Verify agrees, that a
@@ -49,26 +27,26 @@ func TestApplyMatchesGoldenInNetns(t *testing.T) {
 		t.Run(v.name, func(t *testing.T) {
 			n := testnet.NewNS(t, "nftgold")
 			table := v.rs.Tables[0].Name
-			if err := Apply(n.FD, v.rs); err != nil {
+			if err := nft.Apply(n.FD, v.rs); err != nil {
 				t.Fatal(err)
 			}
-			want := Render(v.rs.Tables...)
-			if got := nftList(t, n, table); got != want {
+			want := nft.Render(v.rs.Tables...)
+			if got := testnet.NftList(t, n, table); got != want {
 				t.Fatalf("nft lists:\n%s\nwant:\n%s", got, want)
 			}
-			if err := Verify(n.FD, v.rs); err != nil {
+			if err := nft.Verify(n.FD, v.rs); err != nil {
 				t.Fatalf("verify after apply: %v", err)
 			}
 			// What inspect prints, read through netlink, is what nft prints.
 			// (google/nftables v0.3.0 does not read a set's comment back.)
 			noSetComments := regexp.MustCompile(`\t\tcomment "[^"]*"\n`).ReplaceAllString(want, "")
-			if got, err := Live(n.FD, table, v.rs); err != nil || got != noSetComments {
+			if got, err := nft.Live(n.FD, table, v.rs); err != nil || got != noSetComments {
 				t.Fatalf("Live: %v\n%s\nwant:\n%s", err, got, noSetComments)
 			}
-			if err := Apply(n.FD, v.rs); err != nil {
+			if err := nft.Apply(n.FD, v.rs); err != nil {
 				t.Fatalf("re-apply: %v", err)
 			}
-			if got := nftList(t, n, table); got != want {
+			if got := testnet.NftList(t, n, table); got != want {
 				t.Fatalf("after replace nft lists:\n%s", got)
 			}
 			for _, fam := range []string{"-4", "-6"} {
@@ -83,20 +61,20 @@ func TestApplyMatchesGoldenInNetns(t *testing.T) {
 					t.Errorf("ip %s rule: %d fwmark rules after two applies, want %d:\n%s", fam, got, want, out)
 				}
 			}
-			if err := Delete(n.FD, v.rs); err != nil {
+			if err := nft.Delete(n.FD, v.rs); err != nil {
 				t.Fatal(err)
 			}
-			if got := nftList(t, n, table); !strings.HasPrefix(got, "error:") {
+			if got := testnet.NftList(t, n, table); !strings.HasPrefix(got, "error:") {
 				t.Fatalf("table still there after delete:\n%s", got)
 			}
-			if err := routesPresent(n.FD, v.rs.Routes, nil); len(v.rs.Routes) > 0 && err == nil {
+			if err := nft.Verify(n.FD, &nft.Ruleset{Routes: v.rs.Routes}); len(v.rs.Routes) > 0 && err == nil {
 				t.Error("policy routes still there after delete")
 			}
-			if err := Delete(n.FD, v.rs); err != nil {
+			if err := nft.Delete(n.FD, v.rs); err != nil {
 				t.Errorf("second delete: %v", err)
 			}
-			var d *DriftError
-			if err := Verify(n.FD, v.rs); !errors.As(err, &d) {
+			var d *nft.DriftError
+			if err := nft.Verify(n.FD, v.rs); !errors.As(err, &d) {
 				t.Errorf("verify of a deleted ruleset: %v", err)
 			}
 		})
@@ -111,23 +89,23 @@ func TestVerifyDetectsDriftAndApplyRepairs(t *testing.T) {
 		mess []string
 		says []string
 	}{
-		"flushed chain":  {[]string{"flush", "chain", "inet", PodTable, natOut}, []string{"chain nftcni nat-output is empty but should hold 10 rules, the first: meta l4proto tcp ip daddr 169.254.7.127 counter accept"}},
-		"extra rule":     {[]string{"add", "rule", "inet", PodTable, natPre, "tcp", "dport", "22", "accept"}, []string{"chain nftcni nat-prerouting: rule 5 is not nftcni's (no nftcni comment): meta(16) cmp(0,06) payload(2,2,2) cmp(0,0016) verdict(1,)"}},
-		"deleted table":  {[]string{"delete", "table", "inet", PodTable}, []string{"table inet nftcni is missing"}},
-		"foreign chain":  {[]string{"add", "chain", "inet", PodTable, "intruder"}, []string{"chain nftcni intruder is not ours"}},
-		"flushed table":  {[]string{"flush", "table", "inet", PodTable}, []string{"chain nftcni mangle-output is empty but should hold 1 rules, the first: ct mark & 0x00000fff == 0x00000111 counter meta mark set ct mark"}},
+		"flushed chain":  {[]string{"flush", "chain", "inet", nft.PodTable, natOut}, []string{"chain nftcni nat-output is empty but should hold 10 rules, the first: meta l4proto tcp ip daddr 169.254.7.127 counter accept"}},
+		"extra rule":     {[]string{"add", "rule", "inet", nft.PodTable, natPre, "tcp", "dport", "22", "accept"}, []string{"chain nftcni nat-prerouting: rule 5 is not nftcni's (no nftcni comment): meta(16) cmp(0,06) payload(2,2,2) cmp(0,0016) verdict(1,)"}},
+		"deleted table":  {[]string{"delete", "table", "inet", nft.PodTable}, []string{"table inet nftcni is missing"}},
+		"foreign chain":  {[]string{"add", "chain", "inet", nft.PodTable, "intruder"}, []string{"chain nftcni intruder is not ours"}},
+		"flushed table":  {[]string{"flush", "table", "inet", nft.PodTable}, []string{"chain nftcni mangle-output is empty but should hold 1 rules, the first: ct mark & 0x00000fff == 0x00000111 counter meta mark set ct mark"}},
 		"whole ruleset":  {[]string{"flush", "ruleset"}, []string{"table inet nftcni is missing"}},
-		"inserted first": {[]string{"insert", "rule", "inet", PodTable, mangleOut, "accept"}, []string{"chain nftcni mangle-output: rule 1 is not nftcni's (no nftcni comment): verdict(1,)"}},
+		"inserted first": {[]string{"insert", "rule", "inet", nft.PodTable, mangleOut, "accept"}, []string{"chain nftcni mangle-output: rule 1 is not nftcni's (no nftcni comment): verdict(1,)"}},
 	} {
 		mess := c.mess
 		t.Run(name, func(t *testing.T) {
 			n := testnet.NewNS(t, "nftdrift")
-			if err := Apply(n.FD, rs); err != nil {
+			if err := nft.Apply(n.FD, rs); err != nil {
 				t.Fatal(err)
 			}
-			nftRun(t, n, mess...)
-			var d *DriftError
-			err := Verify(n.FD, rs)
+			testnet.Nft(t, n, mess...)
+			var d *nft.DriftError
+			err := nft.Verify(n.FD, rs)
 			if !errors.As(err, &d) {
 				t.Fatalf("drift not detected: %v", err)
 			}
@@ -137,25 +115,25 @@ func TestVerifyDetectsDriftAndApplyRepairs(t *testing.T) {
 				}
 			}
 			if name == "extra rule" {
-				if live, err := Live(n.FD, PodTable, rs); err != nil || !strings.Contains(live, "# not a rule nftcni wrote") {
+				if live, err := nft.Live(n.FD, nft.PodTable, rs); err != nil || !strings.Contains(live, "# not a rule nftcni wrote") {
 					t.Errorf("Live does not show the foreign rule: %v\n%s", err, live)
 				}
 			}
-			if err := Apply(n.FD, rs); err != nil {
+			if err := nft.Apply(n.FD, rs); err != nil {
 				t.Fatal(err)
 			}
-			if err := Verify(n.FD, rs); err != nil {
+			if err := nft.Verify(n.FD, rs); err != nil {
 				t.Fatalf("still drifting after re-apply: %v", err)
 			}
 		})
 	}
 	t.Run("rule replaced under our comment", func(t *testing.T) {
 		n := testnet.NewNS(t, "nftdrift")
-		if err := Apply(n.FD, rs); err != nil {
+		if err := nft.Apply(n.FD, rs); err != nil {
 			t.Fatal(err)
 		}
 		// Keep the first rule's tag but change what it does.
-		out, err := exec.Command("ip", "netns", "exec", n.Name, "nft", "-a", "list", "chain", "inet", PodTable, mangleOut).CombinedOutput()
+		out, err := exec.Command("ip", "netns", "exec", n.Name, "nft", "-a", "list", "chain", "inet", nft.PodTable, mangleOut).CombinedOutput()
 		if err != nil {
 			t.Fatalf("%v\n%s", err, out)
 		}
@@ -163,19 +141,19 @@ func TestVerifyDetectsDriftAndApplyRepairs(t *testing.T) {
 		if m == nil {
 			t.Fatalf("no tagged rule in:\n%s", out)
 		}
-		nftRun(t, n, "replace", "rule", "inet", PodTable, mangleOut, "handle", m[2], "meta", "mark", "0x1", "accept", "comment", `"`+m[1]+`"`)
-		var d *DriftError
-		if err := Verify(n.FD, rs); !errors.As(err, &d) {
+		testnet.Nft(t, n, "replace", "rule", "inet", nft.PodTable, mangleOut, "handle", m[2], "meta", "mark", "0x1", "accept", "comment", `"`+m[1]+`"`)
+		var d *nft.DriftError
+		if err := nft.Verify(n.FD, rs); !errors.As(err, &d) {
 			t.Fatalf("replaced rule not detected: %v", err)
 		}
 	})
 	t.Run("policy route removed", func(t *testing.T) {
 		n := testnet.NewNS(t, "nftdrift")
-		if err := Apply(n.FD, rs); err != nil {
+		if err := nft.Apply(n.FD, rs); err != nil {
 			t.Fatal(err)
 		}
 		testnet.IP(t, "-n", n.Name, "rule", "del", "fwmark", "0x111/0xfff", "lookup", "100")
-		if err := Verify(n.FD, rs); err == nil || !strings.Contains(err.Error(), "ip rule") {
+		if err := nft.Verify(n.FD, rs); err == nil || !strings.Contains(err.Error(), "ip rule") {
 			t.Fatalf("missing ip rule not reported: %v", err)
 		}
 	})
@@ -186,21 +164,21 @@ func TestVerifyDetectsDriftAndApplyRepairs(t *testing.T) {
 func TestOtherTablesAreLeftAlone(t *testing.T) {
 	testnet.RequireRoot(t)
 	n := testnet.NewNS(t, "nftcoex")
-	nftRun(t, n, "add", "table", "inet", "someone-else")
-	nftRun(t, n, "add", "chain", "inet", "someone-else", "c", "{ type filter hook input priority 0; }")
+	testnet.Nft(t, n, "add", "table", "inet", "someone-else")
+	testnet.Nft(t, n, "add", "chain", "inet", "someone-else", "c", "{ type filter hook input priority 0; }")
 	ipt := addIptables(t, n)
-	before := listAll(t, n)
+	before := testnet.NftRuleset(t, n)
 	rs := Ambient(AmbientSpec{DNSCapture: true, IPv6: true})
-	if err := Apply(n.FD, rs); err != nil {
+	if err := nft.Apply(n.FD, rs); err != nil {
 		t.Fatal(err)
 	}
-	if err := Apply(n.FD, rs); err != nil {
+	if err := nft.Apply(n.FD, rs); err != nil {
 		t.Fatal(err)
 	}
-	if err := Delete(n.FD, rs); err != nil {
+	if err := nft.Delete(n.FD, rs); err != nil {
 		t.Fatal(err)
 	}
-	if after := listAll(t, n); after != before {
+	if after := testnet.NftRuleset(t, n); after != before {
 		t.Errorf("other rules changed:\nbefore:\n%s\nafter:\n%s", before, after)
 	}
 	for _, c := range ipt {
@@ -230,14 +208,6 @@ func addIptables(t *testing.T, n *testnet.NS) []string {
 	return used
 }
 
-func listAll(t *testing.T, n *testnet.NS) string {
-	out, err := exec.Command("ip", "netns", "exec", n.Name, "nft", "list", "ruleset").CombinedOutput()
-	if err != nil {
-		t.Fatalf("nft list ruleset: %v\n%s", err, out)
-	}
-	return counters.ReplaceAllString(string(out), "counter")
-}
-
 // TestConcurrentAppliesIntoManyNetns applies rulesets into 50 netns at once
 // (run with -race to check that applies share no mutable state).
 func TestConcurrentAppliesIntoManyNetns(t *testing.T) {
@@ -256,11 +226,11 @@ func TestConcurrentAppliesIntoManyNetns(t *testing.T) {
 			if i%3 == 0 {
 				rs = Sidecar(SidecarSpec{Mode: istio.ModeTProxy, InboundAll: true, OutboundAll: true, ProxyUID: 1337, ProxyGID: 1337, IPv6: true})
 			}
-			if err := Apply(n.FD, rs); err != nil {
+			if err := nft.Apply(n.FD, rs); err != nil {
 				errs <- fmt.Errorf("netns %d: %w", i, err)
 				return
 			}
-			if err := Verify(n.FD, rs); err != nil {
+			if err := nft.Verify(n.FD, rs); err != nil {
 				errs <- fmt.Errorf("netns %d: %w", i, err)
 			}
 		}(i, n)
@@ -278,11 +248,11 @@ func TestConcurrentAppliesIntoManyNetns(t *testing.T) {
 // of a node's restored pods and an annotation's thousands of CIDRs alike.
 func TestLargeSetsAreProgrammedWhole(t *testing.T) {
 	testnet.RequireRoot(t)
-	var members []Member
+	var members []nft.Member
 	var cidrs []string
 	for i := range 3000 {
 		a := netip.AddrFrom4([4]byte{10, 200 + byte(i>>16), byte(i >> 8), byte(i)})
-		members = append(members, Member{UID: fmt.Sprintf("5f0c3c5e-8d7a-4c1e-9c1b-%012d", i), IPs: []netip.Addr{a}})
+		members = append(members, nft.Member{UID: fmt.Sprintf("5f0c3c5e-8d7a-4c1e-9c1b-%012d", i), IPs: []netip.Addr{a}})
 		cidrs = append(cidrs, a.String()+"/32")
 	}
 	for _, v := range []variant{
@@ -291,10 +261,10 @@ func TestLargeSetsAreProgrammedWhole(t *testing.T) {
 	} {
 		t.Run(v.name, func(t *testing.T) {
 			n := testnet.NewNS(t, "nftbig")
-			if err := Apply(n.FD, v.rs); err != nil {
+			if err := nft.Apply(n.FD, v.rs); err != nil {
 				t.Fatal(err)
 			}
-			if err := Verify(n.FD, v.rs); err != nil {
+			if err := nft.Verify(n.FD, v.rs); err != nil {
 				t.Fatal(err)
 			}
 		})

@@ -1,4 +1,4 @@
-package nft
+package capture
 
 import (
 	"fmt"

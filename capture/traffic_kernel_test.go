@@ -1,6 +1,6 @@
 //go:build !unit
 
-package nft
+package capture
 
 import (
 	"fmt"
@@ -11,6 +11,7 @@ import (
 
 	"github.com/nftcni/nftcni/internal/testnet"
 	"github.com/nftcni/nftcni/istio"
+	"github.com/nftcni/nftcni/nft"
 )
 
 const wait = 2 * time.Second
@@ -56,7 +57,7 @@ func TestAmbientTraffic(t *testing.T) {
 			if v6 {
 				nodeIP, podIP = p.NodeIP6, p.PodIP6
 			}
-			if err := Apply(p.Pod.FD, Ambient(AmbientSpec{DNSCapture: true, IPv6: true})); err != nil {
+			if err := nft.Apply(p.Pod.FD, Ambient(AmbientSpec{DNSCapture: true, IPv6: true})); err != nil {
 				t.Fatal(err)
 			}
 			z := standIn(t, p.Pod, false)
@@ -105,7 +106,7 @@ func TestProbeSourceIsNotCaptured(t *testing.T) {
 	testnet.IP(t, "-n", p.Node.Name, "addr", "add", istio.ProbeSNATv4+"/32", "dev", p.NodeIfc)
 	testnet.IP(t, "-n", p.Node.Name, "addr", "add", istio.ProbeSNATv6+"/128", "dev", p.NodeIfc, "nodad")
 	testnet.IP(t, "-n", p.Pod.Name, "route", "add", istio.ProbeSNATv4, "dev", p.PodIfc)
-	if err := Apply(p.Pod.FD, Ambient(AmbientSpec{DNSCapture: true, IPv6: true})); err != nil {
+	if err := nft.Apply(p.Pod.FD, Ambient(AmbientSpec{DNSCapture: true, IPv6: true})); err != nil {
 		t.Fatal(err)
 	}
 	standIn(t, p.Pod, false)
@@ -120,7 +121,7 @@ func TestProbeSourceIsNotCaptured(t *testing.T) {
 func TestIngressBypass(t *testing.T) {
 	testnet.RequireRoot(t)
 	p := testnet.NewPair(t, 12)
-	if err := Apply(p.Pod.FD, Ambient(AmbientSpec{DNSCapture: true, IPv6: true, IngressBypass: true})); err != nil {
+	if err := nft.Apply(p.Pod.FD, Ambient(AmbientSpec{DNSCapture: true, IPv6: true, IngressBypass: true})); err != nil {
 		t.Fatal(err)
 	}
 	z := standIn(t, p.Pod, false)
@@ -140,7 +141,7 @@ func TestSidecarRedirectTraffic(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := Apply(p.Pod.FD, Sidecar(spec)); err != nil {
+	if err := nft.Apply(p.Pod.FD, Sidecar(spec)); err != nil {
 		t.Fatal(err)
 	}
 	envoyOut := p.Pod.Listen(t, ":15001", false)
@@ -171,7 +172,7 @@ func TestSidecarTProxyKeepsDestination(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := Apply(p.Pod.FD, Sidecar(spec)); err != nil {
+	if err := nft.Apply(p.Pod.FD, Sidecar(spec)); err != nil {
 		t.Fatal(err)
 	}
 	envoyIn := p.Pod.Listen(t, ":15006", true)
@@ -192,7 +193,7 @@ func TestHostProbeSNAT(t *testing.T) {
 	testnet.RequireRoot(t)
 	p := testnet.NewPair(t, 15)
 	uid := "uid-enrolled"
-	if err := Apply(p.Node.FD, HostProbe(HostSpec{IPv6: true}, nil)); err != nil {
+	if err := nft.Apply(p.Node.FD, HostProbe(HostSpec{IPv6: true}, nil)); err != nil {
 		t.Fatal(err)
 	}
 	app := p.Pod.Listen(t, ":8080", false)
@@ -204,18 +205,18 @@ func TestHostProbeSNAT(t *testing.T) {
 		}
 	}
 	check(p.PodIP4, p.NodeIP4, "not enrolled v4")
-	ps, err := OpenProbeSet(p.Node.FD)
+	ps, err := nft.OpenProbeSet(p.Node.FD)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer ps.Close()
-	if err := ps.Update(nil, []Element{{Addr: p.PodIP4, Comment: uid}, {Addr: p.PodIP6, Comment: uid}}); err != nil {
+	if err := ps.Update(nil, []nft.Element{{Addr: p.PodIP4, Comment: uid}, {Addr: p.PodIP6, Comment: uid}}); err != nil {
 		t.Fatal(err)
 	}
 	check(p.PodIP4, ProbeSNATv4, "enrolled v4")
 	check(p.PodIP6, ProbeSNATv6, "enrolled v6")
-	want := HostProbe(HostSpec{IPv6: true}, []Member{{UID: uid, IPs: []netip.Addr{p.PodIP4, p.PodIP6}}})
-	if err := Verify(p.Node.FD, want); err != nil {
+	want := HostProbe(HostSpec{IPv6: true}, []nft.Member{{UID: uid, IPs: []netip.Addr{p.PodIP4, p.PodIP6}}})
+	if err := nft.Verify(p.Node.FD, want); err != nil {
 		t.Fatalf("host table after add: %v", err)
 	}
 	owners, ok, err := ps.Elements()
@@ -226,7 +227,7 @@ func TestHostProbeSNAT(t *testing.T) {
 		t.Fatal(err)
 	}
 	check(p.PodIP4, p.NodeIP4, "removed v4")
-	if err := Verify(p.Node.FD, HostProbe(HostSpec{IPv6: true}, nil)); err != nil {
+	if err := nft.Verify(p.Node.FD, HostProbe(HostSpec{IPv6: true}, nil)); err != nil {
 		t.Fatalf("host table after remove: %v", err)
 	}
 }
@@ -239,7 +240,7 @@ func TestCaptureWithIptablesPresent(t *testing.T) {
 	if len(addIptables(t, p.Pod)) == 0 {
 		t.Skip("no iptables installed")
 	}
-	if err := Apply(p.Pod.FD, Ambient(AmbientSpec{DNSCapture: true, IPv6: true})); err != nil {
+	if err := nft.Apply(p.Pod.FD, Ambient(AmbientSpec{DNSCapture: true, IPv6: true})); err != nil {
 		t.Fatal(err)
 	}
 	z := standIn(t, p.Pod, false)

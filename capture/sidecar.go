@@ -1,4 +1,4 @@
-package nft
+package capture
 
 import (
 	"net/netip"
@@ -7,6 +7,7 @@ import (
 	"github.com/google/nftables"
 
 	"github.com/nftcni/nftcni/istio"
+	"github.com/nftcni/nftcni/nft"
 )
 
 // SidecarSpec is Istio's sidecar capture configuration, usually filled from
@@ -72,8 +73,8 @@ var (
 
 // Sidecar builds Istio's sidecar capture ruleset (§3.3 of the reference).
 // Rules go in Istio's order: interfaces, inbound, outbound.
-func Sidecar(s SidecarSpec) *Ruleset {
-	b := &sidecar{s: s, t: &Table{Name: PodTable}, tproxy: s.Mode == istio.ModeTProxy, fams: families(s.IPv6)}
+func Sidecar(s SidecarSpec) *nft.Ruleset {
+	b := &sidecar{s: s, t: &nft.Table{Name: nft.PodTable}, tproxy: s.Mode == istio.ModeTProxy, fams: families(s.IPv6)}
 	b.bases()
 	b.interfaces()
 	captureIn := s.InboundAll || len(s.InboundPorts) > 0
@@ -86,8 +87,8 @@ func Sidecar(s SidecarSpec) *Ruleset {
 	if b.tproxy {
 		b.tproxyMarks()
 	}
-	b.t.add(scRedirect, L4(TCP), Counter(), Redirect(istio.SidecarOutboundPort))
-	b.t.add(scInRedirect, L4(TCP), Counter(), Redirect(istio.SidecarInboundPort))
+	b.t.Add(scRedirect, nft.L4(nft.TCP), nft.Counter(), nft.Redirect(istio.SidecarOutboundPort))
+	b.t.Add(scInRedirect, nft.L4(nft.TCP), nft.Counter(), nft.Redirect(istio.SidecarInboundPort))
 	b.outboundFirst()
 	b.outboundOwners()
 	// DNS before the loopback return, so that a resolver on 127.0.0.1 is
@@ -97,7 +98,7 @@ func Sidecar(s SidecarSpec) *Ruleset {
 	}
 	b.outboundDestinations()
 
-	rs := &Ruleset{Tables: []*Table{b.t}}
+	rs := &nft.Ruleset{Tables: []*nft.Table{b.t}}
 	if s.IPv6 {
 		// The proxy's IPv6 inbound passthrough source: IPv6 gives lo only
 		// ::1/128, so ::6 must be added for the proxy to bind it (as
@@ -106,7 +107,7 @@ func Sidecar(s SidecarSpec) *Ruleset {
 	}
 	if b.tproxy && captureIn { // Istio routes marked packets only when it captures inbound
 		for _, v4 := range b.fams {
-			rs.Routes = append(rs.Routes, Route{Mark: istio.TProxyMark, Mask: 0xffffffff, Table: istio.TProxyRouteTable, Priority: istio.RulePriority, V6: !v4})
+			rs.Routes = append(rs.Routes, nft.Route{Mark: istio.TProxyMark, Mask: 0xffffffff, Table: istio.TProxyRouteTable, Priority: istio.RulePriority, V6: !v4})
 		}
 	}
 	return rs
@@ -115,24 +116,24 @@ func Sidecar(s SidecarSpec) *Ruleset {
 // sidecar is one sidecar ruleset being built.
 type sidecar struct {
 	s      SidecarSpec
-	t      *Table
+	t      *nft.Table
 	tproxy bool
 	fams   []bool // true: IPv4
 }
 
 func (b *sidecar) bases() {
 	t, s := b.t, b.s
-	t.base(natPre, nftables.ChainTypeNAT, nftables.ChainHookPrerouting, prioNAT)
-	t.base(natOut, nftables.ChainTypeNAT, nftables.ChainHookOutput, prioNAT)
+	t.Base(natPre, nftables.ChainTypeNAT, nftables.ChainHookPrerouting, prioNAT)
+	t.Base(natOut, nftables.ChainTypeNAT, nftables.ChainHookOutput, prioNAT)
 	if b.tproxy || s.DropInvalid {
-		t.base(manglePre, nftables.ChainTypeFilter, nftables.ChainHookPrerouting, prioMangle)
+		t.Base(manglePre, nftables.ChainTypeFilter, nftables.ChainHookPrerouting, prioMangle)
 	}
 	if b.tproxy {
-		t.base(mangleOut, nftables.ChainTypeRoute, nftables.ChainHookOutput, prioMangle)
+		t.Base(mangleOut, nftables.ChainTypeRoute, nftables.ChainHookOutput, prioMangle)
 	}
 	if s.DNSCapture {
-		t.base(rawPre, nftables.ChainTypeFilter, nftables.ChainHookPrerouting, prioRaw)
-		t.base(rawOut, nftables.ChainTypeFilter, nftables.ChainHookOutput, prioRaw)
+		t.Base(rawPre, nftables.ChainTypeFilter, nftables.ChainHookPrerouting, prioRaw)
+		t.Base(rawOut, nftables.ChainTypeFilter, nftables.ChainHookOutput, prioRaw)
 	}
 }
 
@@ -146,19 +147,19 @@ func passthrough(v4 bool) netip.Prefix {
 // addrSet is the match of an address list's set for one family. Address
 // and port lists are named sets, one rule per list; a list with nothing in
 // it (for a family) makes no set and no rule.
-func (b *sidecar) addrSet(name string, v4 bool, pfxs []netip.Prefix) (Term, bool) {
+func (b *sidecar) addrSet(name string, v4 bool, pfxs []netip.Prefix) (nft.Term, bool) {
 	fam := "-v4"
 	if !v4 {
 		fam = "-v6"
 	}
-	set := PrefixSet(name+fam, !v4, pfxs)
+	set := nft.PrefixSet(name+fam, !v4, pfxs)
 	if len(set.Elements) == 0 || !v4 && !b.s.IPv6 {
 		return nil, false
 	}
-	if !slices.ContainsFunc(b.t.Sets, func(x *Set) bool { return x.Name == set.Name }) {
+	if !slices.ContainsFunc(b.t.Sets, func(x *nft.Set) bool { return x.Name == set.Name }) {
 		b.t.Sets = append(b.t.Sets, set)
 	}
-	return AddrInSet(false, v4, set.Name), true
+	return nft.AddrInSet(false, v4, set.Name), true
 }
 
 // portSet is the name of a port list's set; "" for an empty list.
@@ -166,8 +167,8 @@ func (b *sidecar) portSet(name string, ports []uint16) string {
 	if len(ports) == 0 {
 		return ""
 	}
-	if !slices.ContainsFunc(b.t.Sets, func(x *Set) bool { return x.Name == name }) {
-		b.t.Sets = append(b.t.Sets, PortSet(name, ports))
+	if !slices.ContainsFunc(b.t.Sets, func(x *nft.Set) bool { return x.Name == name }) {
+		b.t.Sets = append(b.t.Sets, nft.PortSet(name, ports))
 	}
 	return name
 }
@@ -177,72 +178,72 @@ func (b *sidecar) portSet(name string, ports []uint16) string {
 func (b *sidecar) interfaces() {
 	t, s := b.t, b.s
 	for _, x := range s.ExcludeInterfaces {
-		t.add(natPre, IfName(true, Eq, x), Counter(), Return())
-		t.add(natOut, IfName(false, Eq, x), Counter(), Return())
+		t.Add(natPre, nft.IfName(true, nft.Eq, x), nft.Counter(), nft.Return())
+		t.Add(natOut, nft.IfName(false, nft.Eq, x), nft.Counter(), nft.Return())
 		if b.tproxy {
-			t.add(manglePre, IfName(true, Eq, x), Counter(), Return())
-			t.add(mangleOut, IfName(false, Eq, x), Counter(), Return())
+			t.Add(manglePre, nft.IfName(true, nft.Eq, x), nft.Counter(), nft.Return())
+			t.Add(mangleOut, nft.IfName(false, nft.Eq, x), nft.Counter(), nft.Return())
 		}
 	}
 	for _, v := range s.RerouteInterfaces {
 		if s.OutboundAll {
-			t.add(natPre, IfName(true, Eq, v), Counter(), Jump(scRedirect))
+			t.Add(natPre, nft.IfName(true, nft.Eq, v), nft.Counter(), nft.Jump(scRedirect))
 		} else {
 			for _, v4 := range []bool{true, false} {
 				if in, ok := b.addrSet(setOutInclude, v4, s.IncludeOutboundCIDRs); ok {
-					t.add(natPre, IfName(true, Eq, v), in, Counter(), Jump(scRedirect))
+					t.Add(natPre, nft.IfName(true, nft.Eq, v), in, nft.Counter(), nft.Jump(scRedirect))
 				}
 			}
 		}
-		t.add(natPre, IfName(true, Eq, v), Counter(), Return())
+		t.Add(natPre, nft.IfName(true, nft.Eq, v), nft.Counter(), nft.Return())
 	}
 	if s.DropInvalid {
-		t.add(manglePre, L4(TCP), CtState("invalid"), Counter(), Jump(scDrop))
-		t.add(scDrop, Counter(), Drop())
+		t.Add(manglePre, nft.L4(nft.TCP), nft.CtState("invalid"), nft.Counter(), nft.Jump(scDrop))
+		t.Add(scDrop, nft.Counter(), nft.Drop())
 	}
 }
 
 // inboundRedirect captures inbound TCP with REDIRECT to 15006.
 func (b *sidecar) inboundRedirect() {
 	t, s := b.t, b.s
-	t.add(natPre, L4(TCP), Counter(), Jump(scInbound))
-	t.add(scInbound, DPort(TCP, Eq, istio.HBONEPort), Counter(), Return())
+	t.Add(natPre, nft.L4(nft.TCP), nft.Counter(), nft.Jump(scInbound))
+	t.Add(scInbound, nft.DPort(nft.TCP, nft.Eq, istio.HBONEPort), nft.Counter(), nft.Return())
 	if s.InboundAll {
 		if set := b.portSet(setInExclude, s.ExcludeInboundPorts); set != "" {
-			t.add(scInbound, DPortInSet(TCP, set), Counter(), Return())
+			t.Add(scInbound, nft.DPortInSet(nft.TCP, set), nft.Counter(), nft.Return())
 		}
-		t.add(scInbound, L4(TCP), Counter(), Jump(scInRedirect))
+		t.Add(scInbound, nft.L4(nft.TCP), nft.Counter(), nft.Jump(scInRedirect))
 	} else if set := b.portSet(setInInclude, s.InboundPorts); set != "" {
-		t.add(scInbound, DPortInSet(TCP, set), Counter(), Jump(scInRedirect))
+		t.Add(scInbound, nft.DPortInSet(nft.TCP, set), nft.Counter(), nft.Jump(scInRedirect))
 	}
 }
 
 // inboundTProxy captures inbound TCP with TPROXY to 15006, marking it.
 func (b *sidecar) inboundTProxy() {
 	t, s := b.t, b.s
-	t.add(scDivert, Counter(), SetMark(istio.TProxyMark))
-	t.add(scDivert, Counter(), Accept())
+	t.Add(scDivert, nft.Counter(), nft.SetMark(istio.TProxyMark))
+	t.Add(scDivert, nft.Counter(), nft.Accept())
 	for _, v4 := range b.fams {
-		t.add(scTProxy, L4(TCP), Addr(false, Neq, loopback(v4)), TProxy(v4, istio.SidecarInboundPort), SetMark(istio.TProxyMark), Counter(), Accept())
+		t.Add(scTProxy, nft.L4(nft.TCP), nft.Addr(false, nft.Neq, loopback(v4)), nft.TProxy(v4, istio.SidecarInboundPort), nft.SetMark(istio.TProxyMark), nft.Counter(), nft.Accept())
 	}
-	t.add(manglePre, L4(TCP), Counter(), Jump(scMangleIn))
-	t.add(scMangleIn, L4(TCP), Mark(Eq, 0, istio.TProxyMark), Counter(), Return())
+	t.Add(manglePre, nft.L4(nft.TCP), nft.Counter(), nft.Jump(scMangleIn))
+	t.Add(scMangleIn, nft.L4(nft.TCP), nft.Mark(nft.Eq, 0, istio.TProxyMark), nft.Counter(), nft.Return())
 	for _, v4 := range b.fams {
-		t.add(scMangleIn, IfName(true, Eq, "lo"), L4(TCP), Addr(true, Eq, passthrough(v4)), Counter(), Return())
+		t.Add(scMangleIn, nft.IfName(true, nft.Eq, "lo"), nft.L4(nft.TCP), nft.Addr(true, nft.Eq, passthrough(v4)), nft.Counter(), nft.Return())
 	}
-	t.add(scMangleIn, IfName(true, Eq, "lo"), L4(TCP), Mark(Neq, 0, istio.TProxyLocalMark), Counter(), Return())
+	t.Add(scMangleIn, nft.IfName(true, nft.Eq, "lo"), nft.L4(nft.TCP), nft.Mark(nft.Neq, 0, istio.TProxyLocalMark), nft.Counter(), nft.Return())
 	// No return for HBONE's 15008 here: both of Istio's backends keep
 	// it in the nat inbound chain only, which TPROXY mode never jumps
 	// to, so TPROXY captures 15008 like any other port.
 	if s.InboundAll {
 		if set := b.portSet(setInExclude, s.ExcludeInboundPorts); set != "" {
-			t.add(scMangleIn, DPortInSet(TCP, set), Counter(), Return())
+			t.Add(scMangleIn, nft.DPortInSet(nft.TCP, set), nft.Counter(), nft.Return())
 		}
-		t.add(scMangleIn, L4(TCP), CtState("established", "related"), Counter(), Jump(scDivert))
-		t.add(scMangleIn, L4(TCP), Counter(), Jump(scTProxy))
+		t.Add(scMangleIn, nft.L4(nft.TCP), nft.CtState("established", "related"), nft.Counter(), nft.Jump(scDivert))
+		t.Add(scMangleIn, nft.L4(nft.TCP), nft.Counter(), nft.Jump(scTProxy))
 	} else if set := b.portSet(setInInclude, s.InboundPorts); set != "" {
-		t.add(scMangleIn, DPortInSet(TCP, set), CtState("established", "related"), Counter(), Jump(scDivert))
-		t.add(scMangleIn, DPortInSet(TCP, set), Counter(), Jump(scTProxy))
+		t.Add(scMangleIn, nft.DPortInSet(nft.TCP, set), nft.CtState("established", "related"), nft.Counter(), nft.Jump(scDivert))
+		t.Add(scMangleIn, nft.DPortInSet(nft.TCP, set), nft.Counter(), nft.Jump(scTProxy))
 	}
 }
 
@@ -250,27 +251,27 @@ func (b *sidecar) inboundTProxy() {
 // proxy's own connections to its pod over lo.
 func (b *sidecar) tproxyMarks() {
 	t, s := b.t, b.s
-	t.add(manglePre, L4(TCP), Mark(Eq, 0, istio.TProxyMark), Counter(), SetCtMarkFromMark())
-	t.add(mangleOut, IfName(false, Eq, "lo"), L4(TCP), Mark(Eq, 0, istio.TProxyMark), Counter(), Return())
-	for _, id := range []Term{SkUID(Eq, s.ProxyUID), SkGID(Eq, s.ProxyGID)} {
+	t.Add(manglePre, nft.L4(nft.TCP), nft.Mark(nft.Eq, 0, istio.TProxyMark), nft.Counter(), nft.SetCtMarkFromMark())
+	t.Add(mangleOut, nft.IfName(false, nft.Eq, "lo"), nft.L4(nft.TCP), nft.Mark(nft.Eq, 0, istio.TProxyMark), nft.Counter(), nft.Return())
+	for _, id := range []nft.Term{nft.SkUID(nft.Eq, s.ProxyUID), nft.SkGID(nft.Eq, s.ProxyGID)} {
 		for _, v4 := range b.fams {
-			t.add(mangleOut, IfName(false, Eq, "lo"), L4(TCP), Addr(false, Neq, loopback(v4)), id, Counter(), SetMark(istio.TProxyLocalMark))
+			t.Add(mangleOut, nft.IfName(false, nft.Eq, "lo"), nft.L4(nft.TCP), nft.Addr(false, nft.Neq, loopback(v4)), id, nft.Counter(), nft.SetMark(istio.TProxyLocalMark))
 		}
 	}
-	t.add(mangleOut, L4(TCP), CtMark(Eq, 0, istio.TProxyMark), Counter(), SetMarkFromCt())
+	t.Add(mangleOut, nft.L4(nft.TCP), nft.CtMark(nft.Eq, 0, istio.TProxyMark), nft.Counter(), nft.SetMarkFromCt())
 }
 
 // outboundFirst: the output chain, excluded ports and the proxy's inbound
 // passthrough source.
 func (b *sidecar) outboundFirst() {
 	t, s := b.t, b.s
-	t.add(natOut, Counter(), Jump(scOutput))
+	t.Add(natOut, nft.Counter(), nft.Jump(scOutput))
 	if set := b.portSet(setOutExcludePorts, s.ExcludeOutboundPorts); set != "" {
-		t.add(scOutput, DPortInSet(TCP, set), Counter(), Return())
-		t.add(scOutput, DPortInSet(UDP, set), Counter(), Return())
+		t.Add(scOutput, nft.DPortInSet(nft.TCP, set), nft.Counter(), nft.Return())
+		t.Add(scOutput, nft.DPortInSet(nft.UDP, set), nft.Counter(), nft.Return())
 	}
 	for _, v4 := range b.fams {
-		t.add(scOutput, IfName(false, Eq, "lo"), Addr(true, Eq, passthrough(v4)), Counter(), Return())
+		t.Add(scOutput, nft.IfName(false, nft.Eq, "lo"), nft.Addr(true, nft.Eq, passthrough(v4)), nft.Counter(), nft.Return())
 	}
 }
 
@@ -283,41 +284,41 @@ func (b *sidecar) outboundOwners() {
 	t, s := b.t, b.s
 	includesLoopback := slices.ContainsFunc(s.IncludeOutboundCIDRs, func(p netip.Prefix) bool { return p.Addr().IsLoopback() })
 	owners := []struct {
-		eq, neq Term
-	}{{SkUID(Eq, s.ProxyUID), SkUID(Neq, s.ProxyUID)}, {SkGID(Eq, s.ProxyGID), SkGID(Neq, s.ProxyGID)}}
+		eq, neq nft.Term
+	}{{nft.SkUID(nft.Eq, s.ProxyUID), nft.SkUID(nft.Neq, s.ProxyUID)}, {nft.SkGID(nft.Eq, s.ProxyGID), nft.SkGID(nft.Neq, s.ProxyGID)}}
 	for _, o := range owners {
 		for _, v4 := range b.fams {
-			r := []Term{IfName(false, Eq, "lo"), Addr(false, Neq, loopback(v4)), DPort(TCP, Neq, istio.HBONEPort)}
+			r := []nft.Term{nft.IfName(false, nft.Eq, "lo"), nft.Addr(false, nft.Neq, loopback(v4)), nft.DPort(nft.TCP, nft.Neq, istio.HBONEPort)}
 			if s.DNSCapture {
-				r = append(r, DPort(TCP, Neq, 53))
+				r = append(r, nft.DPort(nft.TCP, nft.Neq, 53))
 			}
-			t.add(scOutput, append(r, o.eq, Counter(), Jump(scInRedirect))...)
+			t.Add(scOutput, append(r, o.eq, nft.Counter(), nft.Jump(scInRedirect))...)
 		}
 		switch {
 		case includesLoopback:
 		case s.DNSCapture:
-			t.add(scOutput, IfName(false, Eq, "lo"), DPort(TCP, Neq, 53), o.neq, Counter(), Return())
+			t.Add(scOutput, nft.IfName(false, nft.Eq, "lo"), nft.DPort(nft.TCP, nft.Neq, 53), o.neq, nft.Counter(), nft.Return())
 		default:
-			t.add(scOutput, IfName(false, Eq, "lo"), o.neq, Counter(), Return())
+			t.Add(scOutput, nft.IfName(false, nft.Eq, "lo"), o.neq, nft.Counter(), nft.Return())
 		}
-		t.add(scOutput, o.eq, Counter(), Return())
+		t.Add(scOutput, o.eq, nft.Counter(), nft.Return())
 	}
 }
 
 // dns redirects DNS to the proxy's 15053 and splits its conntrack zones.
 func (b *sidecar) dns() {
 	t, s := b.t, b.s
-	t.add(scOutput, Counter(), Jump(scOutputDNS))
-	t.add(scOutputDNS, DPort(TCP, Eq, 53), Counter(), Redirect(istio.DNSCapturePort))
-	t.add(scOutputDNS, DPort(UDP, Eq, 53), Counter(), Redirect(istio.DNSCapturePort))
-	t.add(rawOut, Counter(), Jump(scRawDNS))
-	t.add(scRawDNS, DPort(UDP, Eq, 53), SkUID(Eq, s.ProxyUID), Counter(), SetCtZone(1))
-	t.add(scRawDNS, SPort(UDP, Eq, istio.DNSCapturePort), SkUID(Eq, s.ProxyUID), Counter(), SetCtZone(2))
-	t.add(scRawDNS, DPort(UDP, Eq, 53), SkGID(Eq, s.ProxyGID), Counter(), SetCtZone(1))
-	t.add(scRawDNS, SPort(UDP, Eq, istio.DNSCapturePort), SkGID(Eq, s.ProxyGID), Counter(), SetCtZone(2))
-	t.add(scRawDNS, DPort(UDP, Eq, 53), Counter(), SetCtZone(2))
-	t.add(rawPre, Counter(), Jump(scRawIn))
-	t.add(scRawIn, SPort(UDP, Eq, 53), Counter(), SetCtZone(1))
+	t.Add(scOutput, nft.Counter(), nft.Jump(scOutputDNS))
+	t.Add(scOutputDNS, nft.DPort(nft.TCP, nft.Eq, 53), nft.Counter(), nft.Redirect(istio.DNSCapturePort))
+	t.Add(scOutputDNS, nft.DPort(nft.UDP, nft.Eq, 53), nft.Counter(), nft.Redirect(istio.DNSCapturePort))
+	t.Add(rawOut, nft.Counter(), nft.Jump(scRawDNS))
+	t.Add(scRawDNS, nft.DPort(nft.UDP, nft.Eq, 53), nft.SkUID(nft.Eq, s.ProxyUID), nft.Counter(), nft.SetCtZone(1))
+	t.Add(scRawDNS, nft.SPort(nft.UDP, nft.Eq, istio.DNSCapturePort), nft.SkUID(nft.Eq, s.ProxyUID), nft.Counter(), nft.SetCtZone(2))
+	t.Add(scRawDNS, nft.DPort(nft.UDP, nft.Eq, 53), nft.SkGID(nft.Eq, s.ProxyGID), nft.Counter(), nft.SetCtZone(1))
+	t.Add(scRawDNS, nft.SPort(nft.UDP, nft.Eq, istio.DNSCapturePort), nft.SkGID(nft.Eq, s.ProxyGID), nft.Counter(), nft.SetCtZone(2))
+	t.Add(scRawDNS, nft.DPort(nft.UDP, nft.Eq, 53), nft.Counter(), nft.SetCtZone(2))
+	t.Add(rawPre, nft.Counter(), nft.Jump(scRawIn))
+	t.Add(scRawIn, nft.SPort(nft.UDP, nft.Eq, 53), nft.Counter(), nft.SetCtZone(1))
 }
 
 // outboundDestinations: loopback and excluded ranges are left alone;
@@ -325,23 +326,23 @@ func (b *sidecar) dns() {
 func (b *sidecar) outboundDestinations() {
 	t, s := b.t, b.s
 	for _, v4 := range b.fams {
-		t.add(scOutput, Addr(false, Eq, loopback(v4)), Counter(), Return())
+		t.Add(scOutput, nft.Addr(false, nft.Eq, loopback(v4)), nft.Counter(), nft.Return())
 	}
 	for _, v4 := range []bool{true, false} {
 		if ex, ok := b.addrSet(setOutExclude, v4, s.ExcludeOutboundCIDRs); ok {
-			t.add(scOutput, ex, Counter(), Return())
+			t.Add(scOutput, ex, nft.Counter(), nft.Return())
 		}
 	}
 	if set := b.portSet(setOutIncludePorts, s.OutboundPorts); set != "" {
-		t.add(scOutput, DPortInSet(TCP, set), Counter(), Jump(scRedirect))
+		t.Add(scOutput, nft.DPortInSet(nft.TCP, set), nft.Counter(), nft.Jump(scRedirect))
 	}
 	if s.OutboundAll {
-		t.add(scOutput, Counter(), Jump(scRedirect))
+		t.Add(scOutput, nft.Counter(), nft.Jump(scRedirect))
 		return
 	}
 	for _, v4 := range []bool{true, false} {
 		if in, ok := b.addrSet(setOutInclude, v4, s.IncludeOutboundCIDRs); ok {
-			t.add(scOutput, in, Counter(), Jump(scRedirect))
+			t.Add(scOutput, in, nft.Counter(), nft.Jump(scRedirect))
 		}
 	}
 }
