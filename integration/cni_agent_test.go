@@ -161,7 +161,7 @@ func TestCNIConcurrentAdds(t *testing.T) {
 		}
 	}
 	// The agent closes the sockets it removed rules with after its answer
-	// (enrol's closeLater), so both counts settle shortly after the DELs.
+	// (nft.Kernel's closeLater), so both counts settle shortly after the DELs.
 	deadline := time.Now().Add(2 * time.Second)
 	for (fdCount(t) != fds || runtime.NumGoroutine() > goroutines) && time.Now().Before(deadline) {
 		time.Sleep(10 * time.Millisecond)

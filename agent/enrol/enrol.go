@@ -41,6 +41,7 @@ import (
 	"github.com/nftcni/nftcni/agent/events"
 	"github.com/nftcni/nftcni/agent/records"
 	"github.com/nftcni/nftcni/agent/zds"
+	"github.com/nftcni/nftcni/capture"
 	"github.com/nftcni/nftcni/internal/faults"
 	"github.com/nftcni/nftcni/istio"
 	"github.com/nftcni/nftcni/nft"
@@ -99,29 +100,12 @@ type Finder interface {
 	Find(uid string, ips []netip.Addr) (*os.File, error)
 }
 
-// Rules programs, removes and checks pod rulesets in a netns (package
-// nft; tests may fake it).
-type Rules interface {
-	Program(fd int, b *nft.Batch) error
-	Remove(fd int) error
-	// Check verifies rs in the netns, skipping the listing of nf_tables
-	// objects when the ruleset generation is still gen (0: always list);
-	// it returns the generation it saw.
-	Check(fd int, rs *nft.Ruleset, gen uint32) (uint32, error)
-	// Survey says what of istio-cni's state the netns holds, and what
-	// iptables-legacy tables.
-	Survey(fd int) (*nft.IstioState, error)
-	// TakeOver replaces istio-cni's state with b's ruleset in one
-	// transaction and says what it replaced (nothing: there was none).
-	TakeOver(fd int, b *nft.Batch) (replaced []string, err error)
-}
-
 // Options are the parts of the node an Enroller works with; nil ones are
 // skipped (tests, the demo, hosts without ztunnel or Kubernetes).
 type Options struct {
 	Policy    *enablement.Policy
 	Store     Store
-	Rules     Rules // nil: package nft
+	Rules     nft.Interface // nil: the kernel (nft.NewKernel)
 	Ztunnel   Ztunnel
 	Probes    Probes
 	Records   Records
@@ -143,7 +127,7 @@ type Enroller struct {
 	opts    Options
 	policy  *enablement.Policy
 	store   Store
-	rules   Rules
+	rules   nft.Interface
 	log     *slog.Logger
 	metrics *Metrics
 	batches batchCache
@@ -166,7 +150,7 @@ func New(opts Options) *Enroller {
 		opts.Log = slog.New(slog.DiscardHandler)
 	}
 	if opts.Rules == nil {
-		opts.Rules = NftRules{}
+		opts.Rules = nft.NewKernel(capture.PodCleanup())
 	}
 	if opts.Metrics == nil {
 		opts.Metrics = NewMetrics(nil)

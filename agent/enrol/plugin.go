@@ -167,7 +167,7 @@ const decisionRoom = 1024
 // plugin hands over while the netns exists (whether this agent tracks the
 // pod or not), the rest of the enrolment goes, and the pod is forgotten.
 // The agent removes the rules rather than the plugin: its sockets are
-// closed after the answer (closeLater), the plugin's would hold the DEL.
+// closed after the answer (nft.Kernel.Remove), the plugin's would hold the DEL.
 // A failed removal is the error (the plugin then removes them itself);
 // the pod is released all the same.
 func (e *Enroller) Del(ctx context.Context, wp *wire.Pod, netns *os.File) error {

@@ -2,12 +2,20 @@ package enrol
 
 import (
 	"sort"
+	"sync"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
 
+	"github.com/nftcni/nftcni/capture"
+	"github.com/nftcni/nftcni/nft"
+	"github.com/nftcni/nftcni/nft/nlsend"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
+
+// podCleanup is the removal the plugin falls back on at DEL: every pod
+// ruleset's table and policy routes.
+var podCleanup = sync.OnceValues(func() (*nlsend.Removal, error) { return nft.EncodeRemoval(capture.PodCleanup()) })
 
 // Policy computes, from the store, the snapshot the plugin falls back on
 // when the agent cannot be reached (wire.Policy).
