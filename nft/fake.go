@@ -118,6 +118,29 @@ func (f *Fake) Check(fd int, rs *Ruleset, gen uint32) (uint32, error) {
 	}
 }
 
+// Verify is Check listing everything.
+func (f *Fake) Verify(fd int, rs *Ruleset) error {
+	_, err := f.Check(fd, rs, 0)
+	return err
+}
+
+// Live is what Render prints of the netns's table named table ("" when it
+// holds none); rules print as they were programmed, want or not.
+func (f *Fake) Live(fd int, table string, want *Ruleset) (string, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	n, err := f.netns(fd)
+	if err != nil || n.rs == nil {
+		return "", err
+	}
+	for _, t := range n.rs.Tables {
+		if t.Name == table {
+			return Render(t), nil
+		}
+	}
+	return "", nil
+}
+
 func line(ls []string, i int) string {
 	if i < len(ls) {
 		return ls[i]

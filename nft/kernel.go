@@ -27,6 +27,11 @@ type Interface interface {
 	// TakeOver replaces istio-cni's state with b's ruleset in one
 	// transaction and says what it replaced (nothing: there was none).
 	TakeOver(fd int, b *Batch) (replaced []string, err error)
+	// Verify is Check listing everything: nil, or a *DriftError.
+	Verify(fd int, rs *Ruleset) error
+	// Live prints table as the netns holds it ("" when it is not there),
+	// rules named from want where they match (Live).
+	Live(fd int, table string, want *Ruleset) (string, error)
 }
 
 var (
@@ -40,8 +45,12 @@ type Kernel struct {
 }
 
 // NewKernel returns the kernel whose Remove deletes what cleanup names
-// (capture.PodCleanup: every pod ruleset's table and policy routes).
+// (capture.PodCleanup: every pod ruleset's table and policy routes; nil
+// for a caller that never removes).
 func NewKernel(cleanup *Ruleset) *Kernel {
+	if cleanup == nil {
+		cleanup = &Ruleset{}
+	}
 	return &Kernel{cleanup: sync.OnceValues(func() (*nlsend.Removal, error) { return EncodeRemoval(cleanup) })}
 }
 
@@ -120,6 +129,12 @@ func closeQueued() {
 
 // Check is Check.
 func (*Kernel) Check(fd int, rs *Ruleset, gen uint32) (uint32, error) { return Check(fd, rs, gen) }
+
+// Verify is Verify.
+func (*Kernel) Verify(fd int, rs *Ruleset) error { return Verify(fd, rs) }
+
+// Live is Live.
+func (*Kernel) Live(fd int, table string, want *Ruleset) (string, error) { return Live(fd, table, want) }
 
 // Survey is SurveyPod.
 func (*Kernel) Survey(fd int) (*IstioState, error) { return SurveyPod(fd) }

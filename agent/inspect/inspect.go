@@ -31,6 +31,15 @@ var ErrDrift = errors.New("drift found")
 type Inspector struct {
 	RunDir, HostNetns string
 	Host              capture.HostSpec
+	// Kernel reads the netns (nil: the kernel, through netlink).
+	Kernel nft.Interface
+}
+
+func (i *Inspector) kernel() nft.Interface {
+	if i.Kernel == nil {
+		i.Kernel = nft.NewKernel(nil)
+	}
+	return i.Kernel
 }
 
 // Target prints one pod (namespace/name or its netns path) or "host".
@@ -95,7 +104,7 @@ func (i *Inspector) pod(out io.Writer, r records.Record) error {
 		return fmt.Errorf("pod %s: %w", r.Pod.Key(), err)
 	}
 	defer unix.Close(fd)
-	return check(out, fd, nft.PodTable, want)
+	return i.check(out, fd, nft.PodTable, want)
 }
 
 // unrecorded prints a pod the running agent tracks without a record: one
@@ -114,7 +123,7 @@ func (i *Inspector) unrecorded(out io.Writer, in *wire.Inspect) error {
 		return nil
 	}
 	defer unix.Close(fd)
-	return uncompared(out, fd)
+	return i.uncompared(out, fd)
 }
 
 // unknownNetns prints the ruleset of a netns the agent has no record of.
@@ -126,13 +135,13 @@ func (i *Inspector) unknownNetns(out io.Writer, path string) error {
 	defer unix.Close(fd)
 	fmt.Fprintf(out, "netns %s\n  enrolment: no record in %s (not seen by the agent; sidecar pods programmed from runtime annotations are not recorded)\n",
 		path, filepath.Join(i.RunDir, records.DirName))
-	return uncompared(out, fd)
+	return i.uncompared(out, fd)
 }
 
 // uncompared prints our table in the netns behind fd as it is: with no
 // recorded decision there is nothing to compare it with.
-func uncompared(out io.Writer, fd int) error {
-	live, err := nft.Live(fd, nft.PodTable, nil)
+func (i *Inspector) uncompared(out io.Writer, fd int) error {
+	live, err := i.kernel().Live(fd, nft.PodTable, nil)
 	if err != nil {
 		return err
 	}
@@ -165,12 +174,12 @@ func (i *Inspector) host(out io.Writer, recs []records.Record) error {
 	}
 	defer unix.Close(fd)
 	fmt.Fprintf(out, "host (netns %s)\n  enrolled ambient pods recorded: %d\n", i.HostNetns, len(members))
-	return check(out, fd, nft.HostTable, capture.HostProbe(i.Host, members))
+	return i.check(out, fd, nft.HostTable, capture.HostProbe(i.Host, members))
 }
 
 // check prints the verdict and the live table; drift is errDrift.
-func check(out io.Writer, fd int, table string, want *nft.Ruleset) error {
-	live, err := nft.Live(fd, table, want)
+func (i *Inspector) check(out io.Writer, fd int, table string, want *nft.Ruleset) error {
+	live, err := i.kernel().Live(fd, table, want)
 	if err != nil {
 		return err
 	}
@@ -180,7 +189,7 @@ func check(out io.Writer, fd int, table string, want *nft.Ruleset) error {
 			verr = &nft.DriftError{Problems: []string{"table inet " + table + " exists but the pod is not enrolled"}}
 		}
 	} else {
-		verr = nft.Verify(fd, want)
+		verr = i.kernel().Verify(fd, want)
 	}
 	var drift *nft.DriftError
 	switch {
