@@ -175,7 +175,7 @@ func Start(ctx context.Context, cfg Config) (_ *Node, err error) {
 	}
 
 	// 1. The pod source, complete; the policy snapshot follows it.
-	snap := &snapshot{path: cfg.PolicyPath(), log: log, dirty: make(chan struct{}, 1)}
+	snap := &snapshot{path: cfg.PolicyPath(), log: log, dirty: make(chan struct{}, 1), save: events.WritePolicy}
 	src, err := openPodSource(ctx, cfg, &opts, snap.mark)
 	if err != nil {
 		return nil, err
@@ -298,7 +298,10 @@ type snapshot struct {
 	e     *enrol.Enroller
 	log   *slog.Logger
 	dirty chan struct{}
+	save  func(path string, p *wire.Policy) error // events.WritePolicy
 }
+
+const snapshotDebounce = 100 * time.Millisecond
 
 // mark says the policy may have changed.
 func (s *snapshot) mark() {
@@ -309,7 +312,7 @@ func (s *snapshot) mark() {
 }
 
 func (s *snapshot) write() {
-	if err := events.WritePolicy(s.path, s.e.Policy()); err != nil {
+	if err := s.save(s.path, s.e.Policy()); err != nil {
 		s.log.Error("could not write the policy snapshot the plugin falls back on", "path", s.path, "err", err)
 	}
 }
@@ -322,7 +325,7 @@ func (s *snapshot) run(ctx context.Context) {
 			return
 		case <-s.dirty:
 		}
-		time.Sleep(100 * time.Millisecond)
+		time.Sleep(snapshotDebounce)
 		select {
 		case <-s.dirty:
 		default:
