@@ -155,7 +155,7 @@ FUZZTIME ?= 60s
 fuzz:
 	$(GO) test ./conflist -run '^$$' -fuzz FuzzInsert -fuzztime $(FUZZTIME)
 	$(GO) test ./plugin/wire -run '^$$' -fuzz FuzzDecode -fuzztime $(FUZZTIME)
-	$(GO) test ./plugin/wire -run '^$$' -fuzz FuzzParseReply -fuzztime $(FUZZTIME)
+	$(GO) test ./plugin/wire -run '^$$' -fuzz FuzzDecodeAgreesWithEncodingJSON -fuzztime $(FUZZTIME)
 	$(GO) test ./plugin -run '^$$' -fuzz FuzzParseConfig -fuzztime $(FUZZTIME)
 	$(GO) test ./agent/zds -run '^$$' -fuzz FuzzDecode -fuzztime $(FUZZTIME)
 

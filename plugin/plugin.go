@@ -202,31 +202,46 @@ func (c *call) dial() error {
 	return nil
 }
 
-// ask sends m (with the descriptors in fds) and returns the agent's
-// reply, which must be of kind want; an error reply becomes an error.
-func (c *call) ask(m *wire.Message, fds []int, want wire.Kind) (*wire.Message, error) {
+// ask sends m (with the descriptors in fds) and returns the agent's reply,
+// which must be of kind want, with the descriptors that came with it (only
+// a decision to enrol carries any: the pod's netlink sockets); an error
+// reply becomes an error.
+func (c *call) ask(m *wire.Message, fds []int, want wire.Kind) (*wire.Message, []int, error) {
 	if c.agent == nil {
 		if err := c.dial(); err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 	}
 	m.Deadline = c.agent.Deadline()
 	if err := c.agent.SendWith(m, fds); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	r, rfd, err := c.agent.Recv()
-	if rfd != nil {
-		rfd.Close()
+	return c.answer(m.Kind, want)
+}
+
+// answer reads the agent's answer to the plugin's last message, of kind,
+// which must be of kind want.
+func (c *call) answer(kind, want wire.Kind) (*wire.Message, []int, error) {
+	rb, fds, err := c.agent.RecvBytes()
+	var r *wire.Message
+	if err == nil {
+		r, err = wire.Decode(rb)
 	}
 	switch {
 	case err != nil:
-		return nil, fmt.Errorf("waiting for the agent's answer to %s: %w", m.Kind, err)
+		err = fmt.Errorf("waiting for the agent's answer to %s: %w", kind, err)
 	case r.Kind == wire.KindError:
-		return nil, &agentError{msg: r.Error}
+		err = &agentError{msg: r.Error}
 	case r.Kind != want:
-		return nil, fmt.Errorf("agent answered %s with %s, want %s", m.Kind, r.Kind, want)
+		err = fmt.Errorf("agent answered %s with %s, want %s", kind, r.Kind, want)
+	case len(fds) > 0 && (r.Kind != wire.KindDecision || r.Decision.Mode == wire.ModeNone):
+		err = fmt.Errorf("agent's %s came with %d descriptors, none expected", r.Kind, len(fds))
 	}
-	return r, nil
+	if err != nil {
+		wire.CloseAll(fds)
+		return nil, nil, err
+	}
+	return r, fds, nil
 }
 
 // agentError is a refusal from a reachable agent, as opposed to not
@@ -281,10 +296,10 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 		return c.printPrev(stdout)
 	}
 
-	var r *wire.Reply
+	var r *wire.Message
 	var socks []int
 	if err = dialErr; err == nil {
-		r, socks, err = c.askLean(wire.AppendAdd(make([]byte, 0, 1024), pod, c.agent.Deadline()), []int{netns}, wire.KindAdd, wire.KindDecision)
+		r, socks, err = c.ask(&wire.Message{Kind: wire.KindAdd, Pod: pod}, []int{netns}, wire.KindDecision)
 		defer wire.CloseAll(socks)
 	}
 	if err != nil {
@@ -296,8 +311,8 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 		}
 		return c.agentDown(pod, err, stdout)
 	}
-	if r.Mode == wire.ModeNone {
-		c.debug("not enrolled", "reason", r.Reason, "ms", c.since())
+	if r.Decision.Mode == wire.ModeNone {
+		c.debug("not enrolled", "reason", r.Decision.Reason, "ms", c.since())
 		return c.printPrev(stdout)
 	}
 	return c.programAndReport(pod, netns, r, socks, stdout)
@@ -305,10 +320,11 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 
 // programAndReport programs the agent's decision into the pod's netns,
 // reads the agent's answer and sends it the outcome, its last message.
-func (c *call) programAndReport(pod *wire.Pod, netns int, r *wire.Reply, socks []int, stdout io.Writer) error {
+func (c *call) programAndReport(pod *wire.Pod, netns int, r *wire.Message, socks []int, stdout io.Writer) error {
 	t := &wire.Timings{Decided: c.since()}
+	mode := r.Decision.Mode
 	var perr error
-	if !r.Programmed { // else the agent wrote it itself (too large for a message)
+	if !r.Decision.Programmed { // else the agent wrote it itself (too large for a message)
 		perr = program(netns, r.Batch, socks)
 	}
 	t.Programmed = c.since()
@@ -316,20 +332,20 @@ func (c *call) programAndReport(pod *wire.Pod, netns int, r *wire.Reply, socks [
 	if perr != nil {
 		errText = perr.Error()
 	} else {
-		c.debug("ruleset programmed", "mode", r.Mode, "decided_ms", t.Decided, "programmed_ms", t.Programmed)
+		c.debug("ruleset programmed", "mode", mode, "decided_ms", t.Decided, "programmed_ms", t.Programmed)
 	}
 	// The agent's last answer: done once ztunnel has the netns and the
 	// probe set entry and record are in place, or why not. The agent
 	// gives it without waiting for the outcome, so it is usually here
 	// already.
-	_, _, aerr := c.answerLean(wire.KindDecision, wire.KindDone)
+	_, _, aerr := c.answer(wire.KindDecision, wire.KindDone)
 	// The outcome, with the call's logs and timings, is the last message:
 	// with a failure on either side the agent undoes the enrolment. Nothing
 	// waits for the agent after it.
-	serr := c.agent.SendBytes(wire.AppendOutcome(make([]byte, 0, 1024), errText, c.recs.take(), t), nil, wire.KindOutcome)
+	serr := c.agent.SendWith(&wire.Message{Kind: wire.KindOutcome, Error: errText, Logs: c.recs.take(), Timings: t}, nil)
 	switch {
 	case perr != nil:
-		return fmt.Errorf("nftcni: pod %s: programming the %s ruleset: %w", pod.Key(), r.Mode, perr)
+		return fmt.Errorf("nftcni: pod %s: programming the %s ruleset: %w", pod.Key(), mode, perr)
 	case aerr != nil:
 		return fmt.Errorf("nftcni: pod %s: enrolment failed after the rules were programmed (removed again): %w", pod.Key(), aerr)
 	case serr != nil:
@@ -352,46 +368,6 @@ func program(netns int, b *nlsend.Batch, socks []int) error {
 		return fmt.Errorf("the agent's netlink sockets: %w", err)
 	}
 	return nlsend.ProgramOn(socks, b)
-}
-
-// askLean is ask for the ADD's own messages, encoded and decoded without
-// encoding/json (package wire, lean.go). Descriptors come back only with
-// a decision (the pod's netlink sockets); the caller closes them.
-func (c *call) askLean(b []byte, fds []int, kind, want wire.Kind) (*wire.Reply, []int, error) {
-	if c.agent == nil {
-		if err := c.dial(); err != nil {
-			return nil, nil, err
-		}
-	}
-	if err := c.agent.SendBytes(b, fds, kind); err != nil {
-		return nil, nil, err
-	}
-	return c.answerLean(kind, want)
-}
-
-// answerLean reads the agent's answer to the plugin's last message, of
-// kind, which must be of kind want.
-func (c *call) answerLean(kind, want wire.Kind) (*wire.Reply, []int, error) {
-	rb, fds, err := c.agent.RecvBytes()
-	var r *wire.Reply
-	if err == nil {
-		r, err = wire.ParseReply(rb)
-	}
-	switch {
-	case err != nil:
-		err = fmt.Errorf("waiting for the agent's answer to %s: %w", kind, err)
-	case r.Kind == wire.KindError:
-		err = &agentError{msg: r.Error}
-	case r.Kind != want:
-		err = fmt.Errorf("agent answered %s with %s, want %s", kind, r.Kind, want)
-	case len(fds) > 0 && (r.Kind != wire.KindDecision || r.Mode == wire.ModeNone):
-		err = fmt.Errorf("agent's %s came with %d descriptors, none expected", r.Kind, len(fds))
-	}
-	if err != nil {
-		wire.CloseAll(fds)
-		return nil, nil, err
-	}
-	return r, fds, nil
 }
 
 // errNoSnapshot: no agent has written a policy snapshot where the entry
@@ -474,7 +450,7 @@ func (p *Plugin) Del(args *Args) error {
 		c.warn("could not open the pod's netns", "netns", args.Netns, "err", err)
 	}
 	m := &wire.Message{Kind: wire.KindDel, Pod: c.pod(nil), Logs: c.recs.take()}
-	if _, err := c.ask(m, fds, wire.KindDone); err != nil {
+	if _, _, err := c.ask(m, fds, wire.KindDone); err != nil {
 		c.warn("could not tell the agent about DEL; it releases the pod when it is back", "err", err)
 		if len(fds) > 0 {
 			c.removeRules(fds[0])
@@ -542,7 +518,7 @@ func (p *Plugin) Check(args *Args) (err error) {
 		return fmt.Errorf("nftcni: opening the pod's netns: %w", err)
 	}
 	defer unix.Close(netns)
-	_, err = c.ask(&wire.Message{Kind: wire.KindCheck, Pod: pod}, []int{netns}, wire.KindDone)
+	_, _, err = c.ask(&wire.Message{Kind: wire.KindCheck, Pod: pod}, []int{netns}, wire.KindDone)
 	var refused *agentError
 	switch {
 	case err == nil:
@@ -571,7 +547,7 @@ func (p *Plugin) Status(args *Args) error {
 		return err
 	}
 	defer c.finish()
-	_, err = c.ask(&wire.Message{Kind: wire.KindStatus}, nil, wire.KindDone)
+	_, _, err = c.ask(&wire.Message{Kind: wire.KindStatus}, nil, wire.KindDone)
 	if err == nil {
 		return nil
 	}
@@ -594,7 +570,7 @@ func (p *Plugin) GC(args *Args) error {
 	if valid == nil {
 		valid = []wire.Attachment{}
 	}
-	if _, err := c.ask(&wire.Message{Kind: wire.KindGC, Valid: valid}, nil, wire.KindDone); err != nil {
+	if _, _, err := c.ask(&wire.Message{Kind: wire.KindGC, Valid: valid}, nil, wire.KindDone); err != nil {
 		c.warn("GC: agent unreachable; it releases the attachments this GC does not list when it is back", "err", err)
 		c.leaveGC(valid)
 	}

@@ -4,7 +4,7 @@
 //
 // Transport: a unix SOCK_SEQPACKET socket, so each message is one datagram
 // with its boundaries kept and a netns fd rides along in SCM_RIGHTS. A
-// message is one JSON object of at most MaxMessage bytes.
+// message is one JSON object of at most MaxMessage bytes (codec.go).
 //
 // One pod ADD is one connection and, for an enrolled pod, four messages:
 //
@@ -29,10 +29,7 @@
 package wire
 
 import (
-	"bytes"
 	"encoding/json"
-	"errors"
-	"fmt"
 	"time"
 
 	"github.com/nftcni/nftcni/nft/nlsend"
@@ -173,126 +170,4 @@ type Verdict struct {
 	// netns it holds, because its batch is too large for one message (a
 	// sidecar with thousands of ranges); the plugin has nothing to program.
 	Programmed bool `json:"programmed,omitempty"`
-}
-
-// envelope is a Message as it goes on the wire: a batch is named in the
-// JSON by the lengths of its parts, and its bytes follow the object.
-type envelope struct {
-	*Message
-	Batch *batchLen `json:"batch,omitempty"`
-}
-
-// batchLen gives the length of each part of a batch in a message's tail,
-// which holds them in this order.
-type batchLen struct {
-	Tables  int `json:"tables"`
-	Replace int `json:"replace,omitempty"`
-	Routes  int `json:"routes,omitempty"`
-}
-
-// tailMark ends the JSON object of a message that carries a tail. JSON
-// text never holds a raw NUL, so the first one is where the tail begins.
-const tailMark = 0
-
-// Encode marshals m, refusing what the peer would refuse. A batch goes
-// after the object, a NUL between them: 10 KiB of rules would take 14 as
-// base64 text, and the plugin, a fresh process, would pay the page faults
-// of decoding it.
-func Encode(m *Message) ([]byte, error) {
-	env := envelope{Message: m}
-	if m.Batch != nil {
-		env.Batch = &batchLen{Tables: len(m.Batch.Tables), Replace: len(m.Batch.Replace), Routes: len(m.Batch.Routes)}
-	}
-	b, err := json.Marshal(&env)
-	if err != nil {
-		return nil, err
-	}
-	if m.Batch != nil {
-		b = append(b, tailMark)
-		b = append(append(append(b, m.Batch.Tables...), m.Batch.Replace...), m.Batch.Routes...)
-	}
-	if len(b) > MaxMessage {
-		return nil, fmt.Errorf("%s message of %d bytes exceeds the %d-byte limit", m.Kind, len(b), MaxMessage)
-	}
-	return b, nil
-}
-
-// splitTail cuts a message's tail into the batch its lengths name: the
-// parts must fill it exactly.
-func splitTail(l *batchLen, tail []byte, hasTail bool) (*nlsend.Batch, error) {
-	switch {
-	case l == nil && !hasTail:
-		return nil, nil
-	case l == nil:
-		return nil, errors.New("decoding message: data after the object names no batch")
-	case !hasTail:
-		return nil, errors.New("decoding message: the batch it names is missing")
-	case !within(l.Tables, len(tail)) || !within(l.Replace, len(tail)) || !within(l.Routes, len(tail)) || l.Tables+l.Replace+l.Routes != len(tail):
-		return nil, fmt.Errorf("decoding message: batch lengths %d+%d+%d do not fill its %d bytes", l.Tables, l.Replace, l.Routes, len(tail))
-	}
-	b := &nlsend.Batch{Tables: tail[:l.Tables:l.Tables]}
-	if rest := tail[l.Tables:]; l.Replace > 0 {
-		b.Replace = rest[:l.Replace:l.Replace]
-	}
-	if l.Routes > 0 {
-		b.Routes = tail[len(tail)-l.Routes:]
-	}
-	return b, nil
-}
-
-func within(n, max int) bool { return n >= 0 && n <= max }
-
-// Decode parses one message and checks that the fields its kind needs are
-// there, so handlers never see a half-formed message.
-func Decode(b []byte) (*Message, error) {
-	if len(b) > MaxMessage {
-		return nil, fmt.Errorf("message of %d bytes exceeds the %d-byte limit", len(b), MaxMessage)
-	}
-	obj, tail, hasTail := bytes.Cut(b, []byte{tailMark})
-	if len(bytes.TrimSpace(obj)) == 0 {
-		return nil, errors.New("decoding message: no JSON object") // not the decoder's io.EOF: the peer did not close
-	}
-	d := json.NewDecoder(bytes.NewReader(obj))
-	m := &Message{}
-	env := envelope{Message: m}
-	if err := d.Decode(&env); err != nil {
-		return nil, fmt.Errorf("decoding message: %w", err)
-	}
-	if len(bytes.TrimSpace(obj[d.InputOffset():])) > 0 {
-		return nil, errors.New("decoding message: trailing data after the object")
-	}
-	var err error
-	if m.Batch, err = splitTail(env.Batch, tail, hasTail); err != nil {
-		return nil, err
-	}
-	switch m.Kind {
-	case KindAdd, KindDel, KindCheck:
-		if m.Pod == nil {
-			return nil, fmt.Errorf("%s message without a pod", m.Kind)
-		}
-		if m.Pod.Namespace == "" || m.Pod.Name == "" || m.Pod.ContainerID == "" {
-			return nil, fmt.Errorf("%s message: pod needs namespace, name and containerID", m.Kind)
-		}
-	case KindDecision:
-		if m.Decision == nil {
-			return nil, errors.New("decision message without a decision")
-		}
-		switch m.Decision.Mode {
-		case ModeNone:
-		case ModeAmbient, ModeSidecar:
-			if m.Batch == nil || len(m.Batch.Tables) == 0 {
-				return nil, fmt.Errorf("decision message: %s without a batch to program", m.Decision.Mode)
-			}
-		default:
-			return nil, fmt.Errorf("decision message: unknown mode %q", m.Decision.Mode)
-		}
-	case KindInspect:
-		if m.Pod == nil || (m.Pod.UID == "" && (m.Pod.Namespace == "" || m.Pod.Name == "")) {
-			return nil, errors.New("inspect message: needs a pod UID, or its namespace and name")
-		}
-	case KindOutcome, KindDone, KindStatus, KindGC, KindLog, KindError:
-	default:
-		return nil, fmt.Errorf("unknown message kind %q", m.Kind)
-	}
-	return m, nil
 }
