@@ -134,7 +134,9 @@ func (*Kernel) Check(fd int, rs *Ruleset, gen uint32) (uint32, error) { return C
 func (*Kernel) Verify(fd int, rs *Ruleset) error { return Verify(fd, rs) }
 
 // Live is Live.
-func (*Kernel) Live(fd int, table string, want *Ruleset) (string, error) { return Live(fd, table, want) }
+func (*Kernel) Live(fd int, table string, want *Ruleset) (string, error) {
+	return Live(fd, table, want)
+}
 
 // Survey is SurveyPod.
 func (*Kernel) Survey(fd int) (*IstioState, error) { return SurveyPod(fd) }
