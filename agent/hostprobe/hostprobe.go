@@ -25,7 +25,7 @@ import (
 
 // Table is the host probe table of one node.
 type Table struct {
-	k    Kernel
+	k    nft.Host
 	spec capture.HostSpec
 	log  *slog.Logger
 
@@ -33,48 +33,23 @@ type Table struct {
 	owners map[netip.Addr]string // what the kernel's sets hold, as we wrote it
 }
 
-// Kernel is what the table asks of nf_tables in the host netns (package
-// nft; tests fake it).
-type Kernel interface {
-	// Update deletes and adds set elements in one batch.
-	Update(dels []netip.Addr, adds []nft.Element) error
-	// Elements reads the sets' elements and their owners; ok is false when
-	// the table is not there.
-	Elements() (owners map[netip.Addr]string, ok bool, err error)
-	// Verify is nft.Verify, Apply nft.Apply and Delete nft.Delete of rs.
-	Verify(rs *nft.Ruleset) error
-	Apply(rs *nft.Ruleset) error
-	Delete(rs *nft.Ruleset) error
-	Close() error
-}
-
-// netlinkKernel is Kernel on a connection kept open in the host netns.
-type netlinkKernel struct {
-	fd int
-	*nft.ProbeSet
-}
-
-func (k netlinkKernel) Verify(rs *nft.Ruleset) error { return nft.Verify(k.fd, rs) }
-func (k netlinkKernel) Apply(rs *nft.Ruleset) error  { return nft.Apply(k.fd, rs) }
-func (k netlinkKernel) Delete(rs *nft.Ruleset) error { return nft.Delete(k.fd, rs) }
-
 // Open connects to the host netns behind host and reads what the table
 // holds now (nothing if it is not there yet).
 func Open(host *os.File, spec capture.HostSpec, log *slog.Logger) (*Table, error) {
 	fd := int(host.Fd())
-	set, err := nft.OpenProbeSet(fd)
+	k, err := nft.OpenHost(fd)
 	if err != nil {
 		return nil, err
 	}
-	t, err := New(netlinkKernel{fd: fd, ProbeSet: set}, spec, log)
+	t, err := New(k, spec, log)
 	if err != nil {
-		set.Close()
+		k.Close()
 	}
 	return t, err
 }
 
 // New is a Table on k, holding what k holds now.
-func New(k Kernel, spec capture.HostSpec, log *slog.Logger) (*Table, error) {
+func New(k nft.Host, spec capture.HostSpec, log *slog.Logger) (*Table, error) {
 	t := &Table{k: k, spec: spec, log: log}
 	var err error
 	if t.owners, _, err = k.Elements(); err != nil {

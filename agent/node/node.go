@@ -41,7 +41,10 @@ type Config struct {
 	// plugin falls back on while the agent is not back yet. Empty: RunDir.
 	StateDir  string
 	HostNetns string // the host's netns, where the probe table lives
-	ProcDir   string // the host's /proc, for pods that predate the agent
+	// HostKernel is the host netns's nf_tables (nil: through netlink in
+	// HostNetns; tests give nft.FakeHost).
+	HostKernel nft.Host
+	ProcDir    string // the host's /proc, for pods that predate the agent
 	// ZtunnelSocket is the ZDS socket; "" runs without ztunnel.
 	ZtunnelSocket string
 	// ZtunnelSocketWait is how long a ZDS socket another live process
@@ -151,7 +154,7 @@ func Start(ctx context.Context, cfg Config) (_ *Node, err error) {
 			n.Stop()
 		}
 	}()
-	hostNetns, err := n.openHost(cfg)
+	hostNetns, hostKernel, err := n.openHost(cfg)
 	if err != nil {
 		return nil, err
 	}
@@ -189,7 +192,7 @@ func Start(ctx context.Context, cfg Config) (_ *Node, err error) {
 
 	// 3. The host probe table (exactly the restored members), then
 	// ztunnel, the pod source's changes, and the plugin.
-	if err := n.takeHost(ctx, cfg, hostNetns, e.ProbeMembers()); err != nil {
+	if err := n.takeHost(ctx, cfg, hostKernel, e.ProbeMembers()); err != nil {
 		return nil, err
 	}
 	if n.ZDS != nil {
@@ -202,30 +205,36 @@ func Start(ctx context.Context, cfg Config) (_ *Node, err error) {
 	return n, n.serve(ctx, cfg, e)
 }
 
-// openHost takes the run dir's lock, opens the host's netns and puts the
-// host probe table in place (with whatever it holds) before any pod is
-// restored or adopted: their probe entries go into it.
-func (n *Node) openHost(cfg Config) (*os.File, error) {
+// openHost takes the run dir's lock, opens the host's netns and its
+// kernel, and puts the host probe table in place (with whatever it holds)
+// before any pod is restored or adopted: their probe entries go into it.
+func (n *Node) openHost(cfg Config) (*os.File, nft.Host, error) {
 	if cfg.Lock == nil {
 		lock, err := runlock.Acquire(cfg.RunDir)
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		n.closers = append(n.closers, func() { lock.Release() })
 	}
 	hostNetns, err := os.Open(cfg.HostNetns)
 	if err != nil {
-		return nil, fmt.Errorf("--host-netns %s: %w (in a pod: mount the host's /proc and add CAP_SYS_PTRACE to open /host/proc/1/ns/net)", cfg.HostNetns, err)
+		return nil, nil, fmt.Errorf("--host-netns %s: %w (in a pod: mount the host's /proc and add CAP_SYS_PTRACE to open /host/proc/1/ns/net)", cfg.HostNetns, err)
 	}
 	n.closers = append(n.closers, func() { hostNetns.Close() })
-	if n.Host, err = hostprobe.Open(hostNetns, capture.HostSpec{IPv6: cfg.IPv6, SNAT: cfg.ProbeSNAT}, cfg.Log); err != nil {
-		return nil, fmt.Errorf("host probe table in %s: %w%s", cfg.HostNetns, err, capsHint)
+	var k nft.Host = cfg.HostKernel
+	if k == nil {
+		if k, err = nft.OpenHost(int(hostNetns.Fd())); err != nil {
+			return nil, nil, fmt.Errorf("host probe table in %s: %w%s", cfg.HostNetns, err, capsHint)
+		}
 	}
-	n.closers = append(n.closers, func() { n.Host.Close() })
+	n.closers = append(n.closers, func() { k.Close() })
+	if n.Host, err = hostprobe.New(k, capture.HostSpec{IPv6: cfg.IPv6, SNAT: cfg.ProbeSNAT}, cfg.Log); err != nil {
+		return nil, nil, fmt.Errorf("host probe table in %s: %w%s", cfg.HostNetns, err, capsHint)
+	}
 	if _, err := n.Host.Assert(nil, true); err != nil {
-		return nil, fmt.Errorf("host probe table in %s: %w%s", cfg.HostNetns, err, capsHint)
+		return nil, nil, fmt.Errorf("host probe table in %s: %w%s", cfg.HostNetns, err, capsHint)
 	}
-	return hostNetns, nil
+	return hostNetns, k, nil
 }
 
 const capsHint = " (the agent needs CAP_NET_ADMIN, and CAP_SYS_ADMIN to enter that netns)"
@@ -351,21 +360,21 @@ func (n *Node) restore(ctx context.Context, e *enrol.Enroller, log *slog.Logger)
 // takeHost makes the host probe table hold exactly members, removes
 // istio-cni's probe SNAT (a live migration from it) once ours covers the
 // pods taken over, and guards the table from then on.
-func (n *Node) takeHost(ctx context.Context, cfg Config, hostNetns *os.File, members []nft.Member) error {
+func (n *Node) takeHost(ctx context.Context, cfg Config, k nft.Host, members []nft.Member) error {
 	log := cfg.Log
 	if _, err := n.Host.Assert(members, false); err != nil {
 		return fmt.Errorf("host probe table in %s: %w%s", cfg.HostNetns, err, capsHint)
 	}
 	log.Info("host probe SNAT table in place", "netns", cfg.HostNetns, "table", "inet "+nft.HostTable)
-	if s, err := nft.SurveyHost(int(hostNetns.Fd())); err != nil {
+	if s, err := k.SurveyIstio(); err != nil {
 		log.Warn("could not look for istio-cni's host probe state", "netns", cfg.HostNetns, "err", err)
 	} else if s.Found() {
-		if err := nft.RemoveIstioHost(int(hostNetns.Fd()), s); err != nil {
+		if err := k.RemoveIstio(s); err != nil {
 			log.Error("could not remove istio-cni's host probe state; probes still work through ours", "netns", cfg.HostNetns, "err", err)
 		} else {
 			log.Info("removed istio-cni's host probe rules", "netns", cfg.HostNetns, "removed", s.What())
 			if s.UsesIpsets() {
-				n.goWait(func() { destroyIstioIpsets(ctx, int(hostNetns.Fd()), log) })
+				n.goWait(func() { destroyIstioIpsets(ctx, k, log) })
 			}
 		}
 	}
@@ -434,10 +443,10 @@ func (n *Node) serve(ctx context.Context, cfg Config, e *enrol.Enroller) error {
 // destroyIstioIpsets removes istio-cni's probe ipsets once the kernel has
 // released the rules that used them (some time after their removal), for
 // up to a minute; a leftover set holds nothing that matters.
-func destroyIstioIpsets(ctx context.Context, hostNetns int, log *slog.Logger) {
+func destroyIstioIpsets(ctx context.Context, k nft.Host, log *slog.Logger) {
 	var err error
 	for deadline := time.Now().Add(time.Minute); time.Now().Before(deadline); {
-		if err = nft.DestroyIstioProbeSets(hostNetns); !errors.Is(err, nft.ErrIpsetBusy) {
+		if err = k.DestroyIstioProbeSets(); !errors.Is(err, nft.ErrIpsetBusy) {
 			break
 		}
 		select {

@@ -3,6 +3,7 @@ package node
 import (
 	"context"
 	"log/slog"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
@@ -13,7 +14,10 @@ import (
 	"github.com/nftcni/nftcni/agent/enablement"
 	"github.com/nftcni/nftcni/agent/enrol"
 	"github.com/nftcni/nftcni/agent/events"
+	"github.com/nftcni/nftcni/agent/hostprobe"
 	"github.com/nftcni/nftcni/agent/podsource"
+	"github.com/nftcni/nftcni/capture"
+	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
 )
 
@@ -186,5 +190,41 @@ func TestStaticSourceFollowed(t *testing.T) {
 	}
 	if opts.Store.Namespace("mesh") == nil {
 		t.Error("the namespace left in the source is gone from the store")
+	}
+}
+
+// The host takeover from istio-cni: our probe table holds exactly the
+// members, istio-cni's host state goes, and its ipsets go once the kernel
+// lets go of them.
+func TestTakeHostFromIstio(t *testing.T) {
+	k := &nft.FakeHost{IpsetsBusy: 2}
+	k.PlantIstio(nft.FakeIstioHostState("ISTIO_POSTRT"))
+	n := &Node{}
+	var err error
+	if n.Host, err = hostprobe.New(k, capture.HostSpec{}, log); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := n.Host.Assert(nil, true); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	members := []nft.Member{{UID: "uid-a", IPs: []netip.Addr{netip.MustParseAddr("10.0.0.5")}}}
+	if err := n.takeHost(ctx, Config{HostNetns: "/host", HostGuardEvery: time.Hour, Log: log}, k, members); err != nil {
+		t.Fatal(err)
+	}
+	if owners, ok, _ := k.Elements(); !ok || len(owners) != 1 || owners[netip.MustParseAddr("10.0.0.5")] != "uid-a" {
+		t.Errorf("the probe set after the takeover: %v (table there: %v)", owners, ok)
+	}
+	if s, _ := k.SurveyIstio(); s.Found() {
+		t.Errorf("istio-cni's host state is still there: %v", s.What())
+	}
+	for deadline := time.Now().Add(5 * time.Second); !k.IpsetsDestroyed(); time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("istio-cni's ipsets were never destroyed")
+		}
+	}
+	cancel()
+	for _, w := range n.waits {
+		<-w
 	}
 }
