@@ -41,10 +41,25 @@ type Plugin struct {
 	// Timeout bounds the whole conversation with the agent in one call,
 	// including its wait for ztunnel.
 	Timeout time.Duration
+	// Kernel writes and removes pod rulesets (New: through netlink).
+	Kernel Kernel
 }
 
-// New returns a Plugin with the production timeouts.
-func New() *Plugin { return &Plugin{DialTimeout: time.Second, Timeout: wire.PluginTimeout} }
+// Kernel is what the plugin asks of nf_tables in a pod's netns: the
+// agent's batch programmed, or (the agent away) the snapshot's removal.
+// The plugin does not link package nft: a fresh process pays for every
+// package it initialises.
+type Kernel interface {
+	// Program writes b into the netns behind netns, on socks (the
+	// agent's, made in that netns) when there are any.
+	Program(netns int, b *nlsend.Batch, socks []int) error
+	Remove(netns int, r *nlsend.Removal) error
+}
+
+// New returns a Plugin with the production timeouts, on the kernel.
+func New() *Plugin {
+	return &Plugin{DialTimeout: time.Second, Timeout: wire.PluginTimeout, Kernel: netlinkKernel{}}
+}
 
 // call is one invocation: its config, its log buffer, its agent connection.
 type call struct {
@@ -325,7 +340,7 @@ func (c *call) programAndReport(pod *wire.Pod, netns int, r *wire.Message, socks
 	mode := r.Decision.Mode
 	var perr error
 	if !r.Decision.Programmed { // else the agent wrote it itself (too large for a message)
-		perr = program(netns, r.Batch, socks)
+		perr = c.p.Kernel.Program(netns, r.Batch, socks)
 	}
 	t.Programmed = c.since()
 	errText := ""
@@ -354,13 +369,18 @@ func (c *call) programAndReport(pod *wire.Pod, netns int, r *wire.Message, socks
 	return c.printPrev(stdout)
 }
 
-// program writes the batch into the pod's netns: on the netlink sockets
+// netlinkKernel is Kernel through nlsend.
+type netlinkKernel struct{}
+
+func (netlinkKernel) Remove(netns int, r *nlsend.Removal) error { return nlsend.Remove(netns, r) }
+
+// Program writes the batch into the pod's netns: on the netlink sockets
 // the agent made there and handed over with the decision, once they are
 // known to be in that netns; on sockets of its own when the agent sent
 // none (an older agent). A process that enters a netns itself pays, on
 // its first time, for the thread Go keeps for locked threads, the
 // netns switches and the sockets; the agent has all of that warm.
-func program(netns int, b *nlsend.Batch, socks []int) error {
+func (netlinkKernel) Program(netns int, b *nlsend.Batch, socks []int) error {
 	if len(socks) == 0 {
 		return nlsend.Program(netns, b)
 	}
@@ -493,7 +513,7 @@ func (c *call) removeRules(netns int) {
 		c.warn("the agent's policy snapshot has no cleanup batch (written by an older agent?); the agent removes the rules, or they go with the netns")
 		return
 	}
-	if err := nlsend.Remove(netns, pol.Cleanup); err != nil {
+	if err := c.p.Kernel.Remove(netns, pol.Cleanup); err != nil {
 		c.warn("could not remove the pod's rules; they go with the netns", "err", err)
 	}
 }

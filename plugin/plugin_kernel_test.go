@@ -26,7 +26,7 @@ func TestLateAgent(t *testing.T) {
 		t.Fatal(err)
 	}
 	pod := testnet.NewNS(t, "nftpod")
-	p := &Plugin{DialTimeout: time.Second, Timeout: 200 * time.Millisecond}
+	p := &Plugin{DialTimeout: time.Second, Timeout: 200 * time.Millisecond, Kernel: netlinkKernel{}}
 	add := func(ns string) (string, error, time.Duration) {
 		stdin := `{"cniVersion":"1.0.0","name":"n","type":"nftcni","cni_agent_run_dir":"` + run + `","prevResult":` + prev + `}`
 		args := &Args{Command: "ADD", ContainerID: "c1", Netns: pod.Path, IfName: "eth0", StdinData: []byte(stdin),

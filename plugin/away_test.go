@@ -1,0 +1,122 @@
+package plugin
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"os"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nftcni/nftcni/nft/nlsend"
+	"github.com/nftcni/nftcni/plugin/wire"
+)
+
+// The plugin with its agent away (no socket): the policy snapshot decides,
+// DEL removes the rules itself and leaves a mark for the agent. The kernel
+// is a fake that records what it was asked; the netns is a plain file.
+
+type fakeKernel struct{ calls []string }
+
+func (k *fakeKernel) Program(netns int, b *nlsend.Batch, socks []int) error {
+	k.calls = append(k.calls, "program")
+	return nil
+}
+
+func (k *fakeKernel) Remove(netns int, r *nlsend.Removal) error {
+	k.calls = append(k.calls, "remove "+string(bytes.Join(r.Tables, []byte(","))))
+	return nil
+}
+
+type away struct {
+	t      *testing.T
+	run    string
+	netns  string
+	kernel *fakeKernel
+	p      *Plugin
+}
+
+func newAway(t *testing.T, pol *wire.Policy) *away {
+	t.Helper()
+	a := &away{t: t, run: t.TempDir(), kernel: &fakeKernel{}}
+	a.netns = filepath.Join(t.TempDir(), "netns")
+	if err := os.WriteFile(a.netns, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(filepath.Join(a.run, wire.RecordsDir), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if pol != nil {
+		b, _ := json.Marshal(pol)
+		if err := os.WriteFile(filepath.Join(a.run, wire.PolicyName), b, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	a.p = &Plugin{DialTimeout: 100 * time.Millisecond, Timeout: time.Second, Kernel: a.kernel}
+	return a
+}
+
+func (a *away) args(cmd, pod string) *Args {
+	ns, name, _ := strings.Cut(pod, "/")
+	stdin := `{"cniVersion":"1.0.0","name":"n","type":"nftcni","cni_agent_run_dir":"` + a.run + `","prevResult":` + prev + `}`
+	return &Args{Command: cmd, ContainerID: "c1", Netns: a.netns, IfName: "eth0", StdinData: []byte(stdin),
+		Args: "K8S_POD_NAMESPACE=" + ns + ";K8S_POD_NAME=" + name + ";K8S_POD_UID=u1"}
+}
+
+var cleanup = &nlsend.Removal{Tables: [][]byte{[]byte("cleanup-batch")}}
+
+func TestDelWithTheAgentAwayRemovesTheRules(t *testing.T) {
+	a := newAway(t, &wire.Policy{EnrolledNamespaces: []string{"mesh"}, Cleanup: cleanup})
+	if err := a.p.Del(a.args("DEL", "mesh/p")); err != nil {
+		t.Fatalf("DEL with the agent away: %v", err)
+	}
+	if want := []string{"remove cleanup-batch"}; !reflect.DeepEqual(a.kernel.calls, want) {
+		t.Errorf("kernel calls %v, want %v", a.kernel.calls, want)
+	}
+	mark := wire.TombstonePath(a.run, wire.Attachment{ContainerID: "c1", IfName: "eth0"})
+	if _, err := os.Stat(mark); err != nil {
+		t.Errorf("no mark for the agent: %v", err)
+	}
+
+	// No snapshot: no agent ever ran, so nothing of ours is there.
+	b := newAway(t, nil)
+	if err := b.p.Del(b.args("DEL", "mesh/p")); err != nil || len(b.kernel.calls) != 0 {
+		t.Errorf("DEL without a snapshot: %v, kernel calls %v", err, b.kernel.calls)
+	}
+	// A netns already gone: DEL still succeeds.
+	c := newAway(t, &wire.Policy{Cleanup: cleanup})
+	os.Remove(c.netns)
+	if err := c.p.Del(c.args("DEL", "mesh/p")); err != nil || len(c.kernel.calls) != 0 {
+		t.Errorf("DEL of a gone netns: %v, kernel calls %v", err, c.kernel.calls)
+	}
+}
+
+func TestAddWithTheAgentAwayFollowsTheSnapshot(t *testing.T) {
+	a := newAway(t, &wire.Policy{EnrolledNamespaces: []string{"mesh"}, Pods: map[string]wire.Mode{"mesh/out": wire.ModeNone}})
+	var out bytes.Buffer
+	err := a.p.Add(a.args("ADD", "mesh/p"), &out)
+	var cerr *Error
+	if !errors.As(err, &cerr) || cerr.Code != ErrTryAgainLater || !strings.Contains(err.Error(), "must be enrolled") {
+		t.Errorf("ADD of a pod the snapshot enrols, agent away: %v, want try-again-later", err)
+	}
+	out.Reset()
+	if err := a.p.Add(a.args("ADD", "mesh/out"), &out); err != nil || out.String() != prev+"\n" {
+		t.Errorf("ADD of a pod the snapshot leaves out: %v, result %q", err, out.String())
+	}
+	out.Reset()
+	if err := a.p.Add(a.args("ADD", "plain/p"), &out); err != nil || out.String() != prev+"\n" {
+		t.Errorf("ADD in a namespace the snapshot does not enrol: %v, result %q", err, out.String())
+	}
+	if len(a.kernel.calls) != 0 {
+		t.Errorf("the kernel was asked %v with the agent away", a.kernel.calls)
+	}
+
+	// No snapshot at all: nothing says which pods are meshed; refused.
+	b := newAway(t, nil)
+	if err := b.p.Add(b.args("ADD", "plain/p"), &out); !errors.As(err, &cerr) || cerr.Code != ErrTryAgainLater {
+		t.Errorf("ADD without a snapshot or an agent: %v, want try-again-later", err)
+	}
+}
