@@ -170,11 +170,11 @@ func New(opts Options) *Enroller {
 // netns kept for a later enrolment).
 type pod struct {
 	mu sync.Mutex // held for a whole transition
+	// id is the attachment as the runtime named it; id.UID is the pod's
+	// Kubernetes UID, the runtime's or else the store's ("" when neither
+	// gave one: such a pod is never handed to ztunnel).
 	id wire.Pod
-	// uid is the pod's Kubernetes UID ("" when neither the runtime nor the
-	// store gave one: such a pod is never handed to ztunnel).
-	uid string
-	d   *enablement.Decision // never nil; ModeNone: known, not enrolled
+	d  *enablement.Decision // never nil; ModeNone: known, not enrolled
 	// netns is the one descriptor of the pod's netns the agent holds; nil
 	// for a record whose sandbox is gone.
 	netns        *os.File
@@ -209,7 +209,7 @@ func workloadInfo(namespace, name string, kp *corev1.Pod) zds.WorkloadInfo {
 }
 
 func (e *Enroller) record(p *pod, d *enablement.Decision) *records.Record {
-	return &records.Record{Pod: p.id, UID: p.uid, Decision: d, NetnsDev: p.nsDev, NetnsIno: p.nsIno}
+	return &records.Record{Pod: p.id, UID: p.id.UID, Decision: d, NetnsDev: p.nsDev, NetnsIno: p.nsIno}
 }
 
 // how says how an enrolment comes about at the moment it happens.
@@ -249,7 +249,7 @@ type how struct {
 // p.mu held.
 func (e *Enroller) enrol(ctx context.Context, p *pod, d *enablement.Decision, h how) error {
 	ambient := d.Mode == wire.ModeAmbient
-	if ambient && p.uid == "" {
+	if ambient && p.id.UID == "" {
 		return fmt.Errorf("pod %s has no UID (neither K8S_POD_UID from the runtime nor metadata.uid in its manifest): ztunnel names workloads by UID, so it cannot be enrolled in ambient", p.id.Key())
 	}
 	if h.start != nil {
@@ -330,11 +330,11 @@ func (e *Enroller) ztunnelAdd(ctx context.Context, p *pod, restored bool, pr *pr
 	case zt == nil:
 		return func() {}
 	case restored:
-		zt.Track(p.uid, e.workload(p), p.netns)
+		zt.Track(p.id.UID, e.workload(p), p.netns)
 		pr.zt = true
 		return func() {}
 	}
-	wait := zt.StartAdd(ctx, p.uid, e.workload(p), p.netns)
+	wait := zt.StartAdd(ctx, p.id.UID, e.workload(p), p.netns)
 	return func() {
 		if pr.ztErr = wait(); pr.ztErr == nil {
 			pr.zt = true
@@ -346,7 +346,7 @@ func (e *Enroller) ztunnelAdd(ctx context.Context, p *pod, restored bool, pr *pr
 // then the record.
 func (e *Enroller) own(p *pod, d *enablement.Decision, recorded bool, pr *progress) {
 	if probes := e.opts.Probes; d.Mode == wire.ModeAmbient && probes != nil {
-		if pr.probeErr = probes.Add(p.uid, addrs(p.id.IPs)); pr.probeErr != nil {
+		if pr.probeErr = probes.Add(p.id.UID, addrs(p.id.IPs)); pr.probeErr != nil {
 			return
 		}
 		pr.probe = true
@@ -440,7 +440,7 @@ func (e *Enroller) release(ctx context.Context, p *pod, r releaseHow) error {
 		}
 	}
 	if wasEnrolled {
-		e.log.Info("pod released", "pod", p.id.Key(), "mode", p.d.Mode, "uid", p.uid, "containerID", p.id.ContainerID, "why", r.why)
+		e.log.Info("pod released", "pod", p.id.Key(), "mode", p.d.Mode, "uid", p.id.UID, "containerID", p.id.ContainerID, "why", r.why)
 	}
 	p.d = none(r.why)
 	if !r.forget {
@@ -461,20 +461,20 @@ func (e *Enroller) release(ctx context.Context, p *pod, r releaseHow) error {
 // pod, pointed at that sandbox's netns.
 func (e *Enroller) ztunnelRelease(ctx context.Context, p *pod) {
 	zt := e.opts.Ztunnel
-	if zt == nil || p.uid == "" {
+	if zt == nil || p.id.UID == "" {
 		return
 	}
 	if s := e.sibling(p); s != nil {
-		zt.Track(p.uid, e.workload(s), s.netns)
+		zt.Track(p.id.UID, e.workload(s), s.netns)
 		return
 	}
-	zt.Del(ctx, p.uid)
+	zt.Del(ctx, p.id.UID)
 }
 
 // removeProbe takes p's IPs out of the probe set, except those another
 // enrolled sandbox of the same pod holds.
 func (e *Enroller) removeProbe(p *pod, why string) {
-	if e.opts.Probes == nil || p.uid == "" {
+	if e.opts.Probes == nil || p.id.UID == "" {
 		return
 	}
 	keep := map[netip.Addr]bool{}
@@ -489,7 +489,7 @@ func (e *Enroller) removeProbe(p *pod, why string) {
 			freed = append(freed, ip)
 		}
 	}
-	if err := e.opts.Probes.Remove(p.uid, freed); err != nil {
+	if err := e.opts.Probes.Remove(p.id.UID, freed); err != nil {
 		e.log.Warn("could not remove a pod's IPs from the host probe set; the host guard will", "pod", p.id.Key(), "why", why, "err", err)
 	}
 }
@@ -499,7 +499,7 @@ func (e *Enroller) sibling(p *pod) *pod {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	for _, o := range e.pods {
-		if o != p && o.uid == p.uid && o.state != gone && o.netns != nil && o.d.Mode == wire.ModeAmbient {
+		if o != p && o.id.UID == p.id.UID && o.state != gone && o.netns != nil && o.d.Mode == wire.ModeAmbient {
 			return o
 		}
 	}
@@ -569,7 +569,7 @@ func (e *Enroller) Members() []Member {
 	for _, p := range e.snapshot() {
 		p.mu.Lock()
 		if p.enrolled() {
-			out = append(out, Member{Pod: p.id, Mode: p.d.Mode, UID: p.uid})
+			out = append(out, Member{Pod: p.id, Mode: p.d.Mode, UID: p.id.UID})
 		}
 		p.mu.Unlock()
 	}

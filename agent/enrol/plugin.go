@@ -68,7 +68,9 @@ func (e *Enroller) track(ctx context.Context, wp *wire.Pod, netns *os.File) (*po
 	if err != nil {
 		return nil, fmt.Errorf("keeping the netns of pod %s: %w", wp.Key(), err)
 	}
-	p := &pod{id: *wp, uid: e.uid(wp), d: none("new"), netns: f}
+	id := *wp
+	id.UID = e.uid(wp)
+	p := &pod{id: id, d: none("new"), netns: f}
 	var st unix.Stat_t
 	if unix.Fstat(int(f.Fd()), &st) == nil {
 		p.nsDev, p.nsIno = st.Dev, st.Ino
@@ -150,7 +152,7 @@ func (e *Enroller) Add(ctx context.Context, wp *wire.Pod, netns *os.File, plugin
 	if err != nil {
 		return err
 	}
-	args := []any{"pod", wp.Key(), "mode", d.Mode, "uid", p.uid, "containerID", wp.ContainerID, "reason", d.Reason,
+	args := []any{"pod", wp.Key(), "mode", d.Mode, "uid", p.id.UID, "containerID", wp.ContainerID, "reason", d.Reason,
 		"agent_ms", ms(time.Since(start))}
 	if t != nil {
 		args = append(args, "plugin_decided_ms", t.Decided, "plugin_programmed_ms", t.Programmed)
@@ -206,7 +208,7 @@ func (e *Enroller) uidTracked(uid string) bool {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	for _, p := range e.pods {
-		if p.uid == uid && p.state != gone {
+		if p.id.UID == uid && p.state != gone {
 			return true
 		}
 	}
@@ -275,14 +277,14 @@ func (e *Enroller) Inspect(q *wire.Pod) *wire.Inspect {
 			p.mu.Lock()
 			if p.state != gone && in.Pod == nil && p.id.Key() == q.Key() {
 				id := p.id
-				in.Pod, in.Enrolment, uid = &id, fmt.Sprintf("%s (%s)", p.d.Mode, p.d.Reason), p.uid
+				in.Pod, in.Enrolment, uid = &id, fmt.Sprintf("%s (%s)", p.d.Mode, p.d.Reason), p.id.UID
 			}
 			p.mu.Unlock()
 		}
 	}
 	for _, p := range e.snapshot() {
 		p.mu.Lock()
-		if uid != "" && p.uid == uid && p.enrolled() {
+		if uid != "" && p.id.UID == uid && p.enrolled() {
 			in.Verified, in.Drift, in.Repairs = p.verify.at, p.verify.drift, p.verify.repairs
 		}
 		p.mu.Unlock()

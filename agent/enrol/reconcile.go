@@ -70,7 +70,7 @@ func (e *Enroller) reconcilePod(ctx context.Context, p *pod, kp *corev1.Pod) err
 	switch {
 	case p.state == gone:
 		return nil
-	case kp == nil || (string(kp.UID) != "" && p.uid != "" && string(kp.UID) != p.uid):
+	case kp == nil || (string(kp.UID) != "" && p.id.UID != "" && string(kp.UID) != p.id.UID):
 		// Deleted, or replaced by a newer pod of the same name: its
 		// sandbox will not be enrolled again.
 		return e.step(ctx, p, change{ev: evPodGone, why: "the pod is gone from the pod source"})
@@ -121,7 +121,7 @@ func (e *Enroller) enrolByAgent(ctx context.Context, p *pod, d *enablement.Decis
 	if err := e.step(ctx, p, change{ev: evEnrol, d: d, how: h}); err != nil {
 		return err
 	}
-	e.log.Info("pod enrolled by the agent", "pod", p.id.Key(), "mode", d.Mode, "uid", p.uid, "why", why)
+	e.log.Info("pod enrolled by the agent", "pod", p.id.Key(), "mode", d.Mode, "uid", p.id.UID, "why", why)
 	return nil
 }
 
@@ -133,7 +133,7 @@ func (e *Enroller) takeOver(p *pod, batch *nft.Batch) error {
 		return err
 	}
 	e.metrics.Handovers.WithLabelValues("taken").Inc()
-	e.log.Info("took a pod over from istio-cni: its rules replaced by ours in one transaction", "pod", p.id.Key(), "uid", p.uid, "replaced", replaced)
+	e.log.Info("took a pod over from istio-cni: its rules replaced by ours in one transaction", "pod", p.id.Key(), "uid", p.id.UID, "replaced", replaced)
 	return nil
 }
 
@@ -151,7 +151,7 @@ func (e *Enroller) reprogram(ctx context.Context, p *pod, d *enablement.Decision
 	p.d = d
 	p.verify = verifyState{pending: true}
 	e.saveRecord(p, d)
-	e.log.Info("pod's ruleset changed with its annotations", "pod", p.id.Key(), "uid", p.uid)
+	e.log.Info("pod's ruleset changed with its annotations", "pod", p.id.Key(), "uid", p.id.UID)
 	return nil
 }
 
@@ -202,7 +202,7 @@ func (e *Enroller) find(kp *corev1.Pod, ips []string) (*pod, error) {
 	// inspect can open while the pod runs.
 	id := wire.Pod{Namespace: kp.Namespace, Name: kp.Name, UID: string(kp.UID), IPs: ips, Netns: f.Name(),
 		Attachment: wire.Attachment{ContainerID: "found:" + string(kp.UID), IfName: "eth0"}}
-	p := &pod{id: id, uid: string(kp.UID), d: none("found through /proc"), netns: f}
+	p := &pod{id: id, d: none("found through /proc"), netns: f}
 	e.mu.Lock()
 	old := e.pods[id.Attachment]
 	e.pods[id.Attachment] = p

@@ -59,7 +59,11 @@ func (e *Enroller) Restore(ctx context.Context) (Restored, error) {
 		if d == nil {
 			d = none("recorded without a decision")
 		}
-		p := &pod{id: r.Pod, uid: r.UID, d: d, nsDev: r.NetnsDev, nsIno: r.NetnsIno}
+		id := r.Pod
+		if r.UID != "" {
+			id.UID = r.UID
+		}
+		p := &pod{id: id, d: d, nsDev: r.NetnsDev, nsIno: r.NetnsIno}
 		if d.Mode != wire.ModeNone {
 			p.state = enrolled // as the previous agent left it
 		}
@@ -151,7 +155,7 @@ func (e *Enroller) PruneGone(ctx context.Context) int {
 	n := 0
 	for _, p := range e.snapshot() {
 		kp := e.store.Pod(p.id.Namespace, p.id.Name)
-		if kp != nil && (string(kp.UID) == "" || p.uid == "" || string(kp.UID) == p.uid) {
+		if kp != nil && (string(kp.UID) == "" || p.id.UID == "" || string(kp.UID) == p.id.UID) {
 			continue
 		}
 		p.mu.Lock()

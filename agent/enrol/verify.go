@@ -148,13 +148,13 @@ func (e *Enroller) verifyPod(ctx context.Context, p *pod) (checked, repaired boo
 		p.verify.pending, p.verify.gen, p.verify.at = false, now, time.Now()
 		return true, false
 	case !errors.As(err, &drift):
-		e.log.Warn("could not verify a pod's ruleset", "pod", p.id.Key(), "uid", p.uid, "err", err)
+		e.log.Warn("could not verify a pod's ruleset", "pod", p.id.Key(), "uid", p.id.UID, "err", err)
 		return false, false
 	}
 	what := strings.Join(drift.Problems, "; ")
 	p.verify.drift, p.verify.gen = what, 0
 	if err := e.step(ctx, p, change{ev: evDrift, why: what}); err != nil {
-		e.log.Error("pod ruleset drifted and could not be put back", "pod", p.id.Key(), "uid", p.uid, "drift", what, "err", err)
+		e.log.Error("pod ruleset drifted and could not be put back", "pod", p.id.Key(), "uid", p.id.UID, "drift", what, "err", err)
 		p.verify.pending = true
 		return true, false
 	}
@@ -174,6 +174,6 @@ func (e *Enroller) repair(p *pod, drift string) error {
 	e.metrics.Repairs.Inc()
 	p.verify.repairs++
 	p.verify.pending, p.verify.at = true, time.Now()
-	e.log.Warn("pod ruleset drifted; put back", "pod", p.id.Key(), "uid", p.uid, "mode", p.d.Mode, "drift", drift)
+	e.log.Warn("pod ruleset drifted; put back", "pod", p.id.Key(), "uid", p.id.UID, "mode", p.d.Mode, "drift", drift)
 	return nil
 }
