@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math"
 	"net/http"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -31,7 +32,12 @@ import (
 // p99 in ms over every pod of every round, the kubelet's own
 // kubelet_pod_start_sli_duration_seconds (its histogram's quantiles,
 // bucket bounds), and nftcni's p99 over the bare node's, the median over
-// rounds with its bootstrap interval. Istio's CNI is not a variant yet.
+// rounds with its bootstrap interval. Where nftcni's share goes, per
+// enrolled pod: the agent's CPU time over the burst (its
+// process_cpu_seconds_total), the agent's time on each ADD (from the
+// decision to the plugin's outcome, its log's agent_ms) and the plugin's
+// own clock to its decision and to its rules programmed. Istio's CNI is
+// not a variant yet.
 func BenchmarkNodeBurst(b *testing.B) {
 	gen := containerd2(b)
 	n := nodetest.Start(b, gen)
@@ -45,6 +51,7 @@ func BenchmarkNodeBurst(b *testing.B) {
 			pods := map[string][]time.Duration{}    // variant -> every pod's start
 			p99s := map[string][]time.Duration{}    // variant -> each round's p99
 			sli := map[string]map[float64]float64{} // variant -> histogram bucket deltas
+			var share burstShare
 			for round := 0; round < b.N; round++ {
 				order := []string{"bare", "nftcni"}
 				if round%2 == 1 {
@@ -55,8 +62,18 @@ func BenchmarkNodeBurst(b *testing.B) {
 						helmInstall(b, n, imageValues, "chained")
 					}
 					before := kubelet(b)
-					starts := burst(b, n, "burst", fmt.Sprintf("r%d", round), size)
+					var cpu0 float64
+					if v == "nftcni" {
+						cpu0 = agentCPU(b, n)
+					}
+					prefix := fmt.Sprintf("r%d", round)
+					starts := burst(b, n, "burst", prefix, size)
 					sli[v] = addBuckets(sli[v], subBuckets(kubelet(b), before))
+					if v == "nftcni" {
+						share.cpu += agentCPU(b, n) - cpu0
+						share.pods += size
+						share.add(agentPodLog(b, n, waitDaemonSetPodReady(b, n, "kube-system", "k8s-app=nftcni-node")), "burst/"+prefix+"-")
+					}
 					pods[v] = append(pods[v], starts...)
 					p99s[v] = append(p99s[v], quantile(starts, 0.99))
 					if v == "nftcni" {
@@ -71,6 +88,7 @@ func BenchmarkNodeBurst(b *testing.B) {
 				b.ReportMetric(bucketQuantile(sli[v], 0.5)*1e3, v+"-sli-ms-p50")
 				b.ReportMetric(bucketQuantile(sli[v], 0.99)*1e3, v+"-sli-ms-p99")
 			}
+			share.report(b)
 			r, lo, hi := addedRatio(p99s, "nftcni", "bare", "")
 			b.ReportMetric(r, "p99-nftcni/bare")
 			b.ReportMetric(lo, "p99-nftcni/bare-p5")
@@ -78,6 +96,79 @@ func BenchmarkNodeBurst(b *testing.B) {
 			b.Logf("%d pods at once, %d rounds: p99 nftcni/bare %.3fx (90%% of round resamples %.3f–%.3fx)", size, b.N, r, lo, hi)
 		})
 	}
+}
+
+// burstShare is where nftcni's time in a burst goes.
+type burstShare struct {
+	cpu                        float64 // the agent's CPU seconds over the bursts
+	pods                       int
+	agent, decided, programmed []float64 // per enrolled pod, ms
+}
+
+var enrolledTimes = regexp.MustCompile(`agent_ms"?[=:]([0-9.]+).*plugin_decided_ms"?[=:]([0-9.]+).*plugin_programmed_ms"?[=:]([0-9.]+)`)
+
+// add reads the agent's "pod enrolled" lines of the burst's pods.
+func (s *burstShare) add(log, podPrefix string) {
+	for _, line := range strings.Split(log, "\n") {
+		if !strings.Contains(line, "pod enrolled") || !strings.Contains(line, podPrefix) {
+			continue
+		}
+		if m := enrolledTimes.FindStringSubmatch(line); m != nil {
+			a, _ := strconv.ParseFloat(m[1], 64)
+			d, _ := strconv.ParseFloat(m[2], 64)
+			p, _ := strconv.ParseFloat(m[3], 64)
+			s.agent, s.decided, s.programmed = append(s.agent, a), append(s.decided, d), append(s.programmed, p)
+		}
+	}
+}
+
+func (s *burstShare) report(b *testing.B) {
+	if s.pods == 0 {
+		return
+	}
+	b.ReportMetric(s.cpu*1e3/float64(s.pods), "agent-cpu-ms/pod")
+	q := func(v []float64, p float64) float64 {
+		if len(v) == 0 {
+			return math.NaN()
+		}
+		c := slices.Clone(v)
+		slices.Sort(c)
+		return c[int(p*float64(len(c)-1))]
+	}
+	b.ReportMetric(q(s.agent, 0.5), "agent-add-ms-p50")
+	b.ReportMetric(q(s.agent, 0.99), "agent-add-ms-p99")
+	b.ReportMetric(q(s.decided, 0.5), "plugin-decided-ms-p50")
+	b.ReportMetric(q(s.programmed, 0.5), "plugin-programmed-ms-p50")
+	b.ReportMetric(q(s.programmed, 0.99), "plugin-programmed-ms-p99")
+	b.Logf("nftcni's share: agent CPU %.2f ms a pod; agent per ADD p50 %.1f ms, p99 %.1f ms; plugin decided p50 %.2f ms, programmed p50 %.2f ms, p99 %.2f ms (%d of %d pods' ADDs logged)",
+		s.cpu*1e3/float64(s.pods), q(s.agent, 0.5), q(s.agent, 0.99), q(s.decided, 0.5), q(s.programmed, 0.5), q(s.programmed, 0.99), len(s.agent), s.pods)
+}
+
+// agentCPU is the agent's CPU seconds so far (process_cpu_seconds_total
+// on its metrics port).
+func agentCPU(b *testing.B, n *nodetest.Node) float64 {
+	b.Helper()
+	agent, err := n.Client.CoreV1().Pods("kube-system").Get(context.Background(), waitDaemonSetPodReady(b, n, "kube-system", "k8s-app=nftcni-node"), metav1.GetOptions{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	resp, err := n.HTTP().Get("http://" + agent.Status.PodIP + ":15014/metrics")
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer resp.Body.Close()
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		if v, ok := strings.CutPrefix(sc.Text(), "process_cpu_seconds_total "); ok {
+			f, err := strconv.ParseFloat(v, 64)
+			if err == nil {
+				return f
+			}
+		}
+	}
+	b.Fatal("the agent's metrics have no process_cpu_seconds_total")
+	return 0
 }
 
 // burst creates size pods at once and returns, for each, the time from

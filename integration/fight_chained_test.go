@@ -1,6 +1,7 @@
 package integration
 
 import (
+	"context"
 	"fmt"
 	"io"
 	"os"
@@ -192,9 +193,9 @@ func fight(t *testing.T, n *nodetest.Node, primary string, every time.Duration, 
 }
 
 // agentPodLog is the agent pod's log as the kubelet serves it.
-func agentPodLog(t *testing.T, n *nodetest.Node, pod string) string {
+func agentPodLog(t testing.TB, n *nodetest.Node, pod string) string {
 	t.Helper()
-	b, err := n.Client.CoreV1().Pods("kube-system").GetLogs(pod, &corev1.PodLogOptions{}).DoRaw(t.Context())
+	b, err := n.Client.CoreV1().Pods("kube-system").GetLogs(pod, &corev1.PodLogOptions{}).DoRaw(context.Background())
 	if err != nil {
 		return fmt.Sprintf("(its log: %v)", err)
 	}
