@@ -251,11 +251,7 @@ func withPlugin(b *testing.B, l *libcni.NetworkConfigList, plugin, entry string)
 // reportQuantiles reports each variant's median and p90 in ms and returns
 // the quantile function, in ms, for derived figures.
 func reportQuantiles(b *testing.B, order []string, samples map[string][]time.Duration) func(v string, p float64) float64 {
-	q := func(v string, p float64) float64 {
-		s := slices.Clone(samples[v])
-		slices.Sort(s)
-		return float64(s[int(p*float64(len(s)-1))]) / 1e6
-	}
+	q := func(v string, p float64) float64 { return float64(quantile(samples[v], p)) / 1e6 }
 	for _, v := range order {
 		if len(samples[v]) > 0 {
 			b.ReportMetric(q(v, 0.5), v+"-ms-median")

@@ -2,6 +2,7 @@ package integration
 
 import (
 	"bufio"
+	"cmp"
 	"context"
 	"crypto/tls"
 	"fmt"
@@ -131,9 +132,7 @@ func (s *burstShare) report(b *testing.B) {
 		if len(v) == 0 {
 			return math.NaN()
 		}
-		c := slices.Clone(v)
-		slices.Sort(c)
-		return c[int(p*float64(len(c)-1))]
+		return quantile(v, p)
 	}
 	b.ReportMetric(q(s.agent, 0.5), "agent-add-ms-p50")
 	b.ReportMetric(q(s.agent, 0.99), "agent-add-ms-p99")
@@ -359,7 +358,8 @@ func bucketQuantile(buckets map[float64]float64, q float64) float64 {
 	return math.Inf(1)
 }
 
-func quantile(d []time.Duration, q float64) time.Duration {
+// quantile is the sample at quantile q of d (nearest rank below).
+func quantile[T cmp.Ordered](d []T, q float64) T {
 	s := slices.Clone(d)
 	slices.Sort(s)
 	return s[int(q*float64(len(s)-1))]
