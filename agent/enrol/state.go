@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 
 	"github.com/nftcni/nftcni/agent/enablement"
 )
@@ -114,39 +115,43 @@ type transition struct {
 	rulesGone, keepAnnotation bool
 }
 
-// captured is the row of enrolled and unannotated pods; owed is what an
-// unannotated pod ends in while the annotation is still not written.
+// leaving are the events that end a pod's tracking whatever state it is
+// in (but gone): the sandbox or the pod went, or the agent stops.
+var leaving = map[event]transition{
+	evDel:         {do: doForget, ok: gone, failed: gone, rulesGone: true, keepAnnotation: true},
+	evReAdd:       {do: doForget, ok: gone, failed: gone, rulesGone: true, keepAnnotation: true},
+	evGC:          {do: doForget, ok: gone, failed: gone, keepAnnotation: true},
+	evDeletedAway: {do: doForget, ok: gone, failed: gone, rulesGone: true},
+	evPodGone:     {do: doForget, ok: gone, failed: gone},
+	evSandboxGone: {do: doForget, ok: gone, failed: gone},
+	evStop:        {do: doDrop, ok: gone, failed: gone},
+}
+
+// row is a state's own cells, with the leaving ones.
+func row(own map[event]transition) map[event]transition {
+	r := maps.Clone(leaving)
+	maps.Copy(r, own)
+	return r
+}
+
+// captured is the row of enrolled and unannotated pods (self).
 func captured(self state) map[event]transition {
-	return map[event]transition{
-		evUnenrol:     {do: doRelease, ok: known, failed: self},
-		evFinished:    {do: doRelease, ok: known, failed: self},
-		evChanged:     {do: doReprogram, ok: self, failed: self},
-		evDrift:       {do: doRepair, ok: self, failed: self},
-		evDel:         {do: doForget, ok: gone, failed: gone, rulesGone: true, keepAnnotation: true},
-		evReAdd:       {do: doForget, ok: gone, failed: gone, rulesGone: true, keepAnnotation: true},
-		evGC:          {do: doForget, ok: gone, failed: gone, keepAnnotation: true},
-		evDeletedAway: {do: doForget, ok: gone, failed: gone, rulesGone: true},
-		evPodGone:     {do: doForget, ok: gone, failed: gone},
-		evSandboxGone: {do: doForget, ok: gone, failed: gone},
-		evStop:        {do: doDrop, ok: gone, failed: gone},
-	}
+	return row(map[event]transition{
+		evUnenrol:  {do: doRelease, ok: known, failed: self},
+		evFinished: {do: doRelease, ok: known, failed: self},
+		evChanged:  {do: doReprogram, ok: self, failed: self},
+		evDrift:    {do: doRepair, ok: self, failed: self},
+	})
 }
 
 // table is the state machine. A missing cell does nothing and leaves the
 // state as it is.
 var table = func() map[state]map[event]transition {
 	t := map[state]map[event]transition{
-		known: {
-			evEnrol:       {do: doEnrol, ok: enrolled, failed: known},
-			evStale:       {do: doClear, ok: known, failed: known},
-			evDel:         {do: doForget, ok: gone, failed: gone, rulesGone: true, keepAnnotation: true},
-			evReAdd:       {do: doForget, ok: gone, failed: gone, rulesGone: true, keepAnnotation: true},
-			evGC:          {do: doForget, ok: gone, failed: gone, keepAnnotation: true},
-			evDeletedAway: {do: doForget, ok: gone, failed: gone, rulesGone: true},
-			evPodGone:     {do: doForget, ok: gone, failed: gone},
-			evSandboxGone: {do: doForget, ok: gone, failed: gone},
-			evStop:        {do: doDrop, ok: gone, failed: gone},
-		},
+		known: row(map[event]transition{
+			evEnrol: {do: doEnrol, ok: enrolled, failed: known},
+			evStale: {do: doClear, ok: known, failed: known},
+		}),
 		enrolled:    captured(enrolled),
 		unannotated: captured(unannotated),
 		gone:        {},
