@@ -104,6 +104,8 @@ type burstShare struct {
 	cpu                        float64 // the agent's CPU seconds over the bursts
 	pods                       int
 	agent, decided, programmed []float64 // per enrolled pod, ms
+	failed, unacked            int       // ADDs the agent failed; of them, for want of ztunnel's ack
+	firstFailure               string
 }
 
 var enrolledTimes = regexp.MustCompile(`agent_ms"?[=:]([0-9.]+).*plugin_decided_ms"?[=:]([0-9.]+).*plugin_programmed_ms"?[=:]([0-9.]+)`)
@@ -111,7 +113,20 @@ var enrolledTimes = regexp.MustCompile(`agent_ms"?[=:]([0-9.]+).*plugin_decided_
 // add reads the agent's "pod enrolled" lines of the burst's pods.
 func (s *burstShare) add(log, podPrefix string) {
 	for _, line := range strings.Split(log, "\n") {
-		if !strings.Contains(line, "pod enrolled") || !strings.Contains(line, podPrefix) {
+		if !strings.Contains(line, podPrefix) {
+			continue
+		}
+		if strings.Contains(line, "pod ADD failed") {
+			s.failed++
+			if strings.Contains(line, "did not ack") {
+				s.unacked++
+			}
+			if s.firstFailure == "" {
+				s.firstFailure = line
+			}
+			continue
+		}
+		if !strings.Contains(line, "pod enrolled") {
 			continue
 		}
 		if m := enrolledTimes.FindStringSubmatch(line); m != nil {
@@ -139,6 +154,11 @@ func (s *burstShare) report(b *testing.B) {
 	b.ReportMetric(q(s.decided, 0.5), "plugin-decided-ms-p50")
 	b.ReportMetric(q(s.programmed, 0.5), "plugin-programmed-ms-p50")
 	b.ReportMetric(q(s.programmed, 0.99), "plugin-programmed-ms-p99")
+	b.ReportMetric(float64(s.failed), "failed-adds")
+	b.ReportMetric(float64(s.unacked), "unacked-adds")
+	if s.failed > 0 {
+		b.Logf("%d ADDs failed (and were retried by the kubelet), %d for want of ztunnel's ack; the first: %s", s.failed, s.unacked, s.firstFailure)
+	}
 	b.Logf("nftcni's share: agent CPU %.2f ms a pod; agent per ADD p50 %.1f ms, p99 %.1f ms; plugin decided p50 %.2f ms, programmed p50 %.2f ms, p99 %.2f ms (%d of %d pods' ADDs logged)",
 		s.cpu*1e3/float64(s.pods), q(s.agent, 0.5), q(s.agent, 0.99), q(s.decided, 0.5), q(s.programmed, 0.5), q(s.programmed, 0.99), len(s.agent), s.pods)
 }
