@@ -58,6 +58,10 @@ type Server struct {
 
 	log       *slog.Logger
 	connected prometheus.Gauge
+	// turnWait is how long an Add waited for its connection's turn (ZDS
+	// has one request in flight per connection: the Adds of a burst queue
+	// here); ackWait how long ztunnel took to ack it.
+	turnWait, ackWait prometheus.Histogram
 
 	// reg orders Adds against a new connection's registration: an Add
 	// holds it (read) from picking a connection to remembering the pod, so
@@ -77,10 +81,15 @@ type Server struct {
 // NewServer returns a server; reg may be nil.
 func NewServer(log *slog.Logger, reg prometheus.Registerer) *Server {
 	g := prometheus.NewGauge(prometheus.GaugeOpts{Name: "ztunnel_connected", Help: "Whether a ztunnel is connected over ZDS (1) or not (0)."})
+	buckets := prometheus.ExponentialBuckets(0.0005, 2, 16) // 0.5 ms .. 16 s
+	turn := prometheus.NewHistogram(prometheus.HistogramOpts{Name: "nftcni_ztunnel_add_queue_seconds", Buckets: buckets,
+		Help: "How long a pod's AddWorkload waited for its ZDS connection (one request in flight per connection)."})
+	ack := prometheus.NewHistogram(prometheus.HistogramOpts{Name: "nftcni_ztunnel_add_ack_seconds", Buckets: buckets,
+		Help: "How long ztunnel took to ack a pod's AddWorkload, from its sending."})
 	if reg != nil {
-		reg.MustRegister(g)
+		reg.MustRegister(g, turn, ack)
 	}
-	return &Server{AckTimeout: ackTimeout, log: log, connected: g, pods: map[string]*pod{}, pending: map[*conn][]string{}}
+	return &Server{AckTimeout: ackTimeout, log: log, connected: g, turnWait: turn, ackWait: ack, pods: map[string]*pod{}, pending: map[*conn][]string{}}
 }
 
 // Listen binds the ZDS socket, root-only (ztunnel runs as root), in a
@@ -389,10 +398,13 @@ func (s *Server) StartAdd(ctx context.Context, uid string, info WorkloadInfo, ne
 		return nil
 	}
 	r := &Request{Kind: KindAdd, UID: uid, Info: &info}
+	queued := time.Now()
 	if err := c.take(time.Until(deadline), r.Kind); err != nil {
 		err = done(err)
 		return func() error { return err }
 	}
+	sent := time.Now()
+	s.turnWait.Observe(sent.Sub(queued).Seconds())
 	if err := c.send(r, netns, deadline); err != nil {
 		c.release()
 		err = done(err)
@@ -403,6 +415,9 @@ func (s *Server) StartAdd(ctx context.Context, uid string, info WorkloadInfo, ne
 	return func() error {
 		once.Do(func() {
 			err = c.awaitAck(r)
+			if err == nil {
+				s.ackWait.Observe(time.Since(sent).Seconds())
+			}
 			c.release()
 			err = done(err)
 		})

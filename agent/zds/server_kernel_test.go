@@ -23,6 +23,7 @@ import (
 	"github.com/nftcni/nftcni/agent/zds"
 	"github.com/nftcni/nftcni/internal/testnet"
 	"github.com/nftcni/nftcni/internal/ztunneltest"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 const wait = 3 * time.Second
@@ -36,13 +37,19 @@ func serve(t *testing.T, configure ...func(*zds.Server)) (*zds.Server, string) {
 // serveLogging is serve with the server's log written to w.
 func serveLogging(t *testing.T, w io.Writer, configure ...func(*zds.Server)) (*zds.Server, string) {
 	t.Helper()
+	return serveOn(t, w, nil, configure...)
+}
+
+// serveOn is serveLogging with the server's metrics registered in reg.
+func serveOn(t *testing.T, w io.Writer, reg prometheus.Registerer, configure ...func(*zds.Server)) (*zds.Server, string) {
+	t.Helper()
 	testnet.RequireRoot(t)
 	path := filepath.Join(t.TempDir(), "ztunnel", "ztunnel.sock")
 	l, err := zds.Listen(path, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := zds.NewServer(slog.New(slog.NewTextHandler(w, nil)), nil)
+	s := zds.NewServer(slog.New(slog.NewTextHandler(w, nil)), reg)
 	for _, c := range configure {
 		c(s)
 	}
@@ -126,6 +133,42 @@ func TestAddAndDel(t *testing.T) {
 	if st := s.State("uid-cart"); !strings.HasPrefix(st, "not held") {
 		t.Errorf("state after Del: %s", st)
 	}
+}
+
+// Every Add's wait for its connection and for ztunnel's ack is measured.
+func TestAddIsTimed(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	s, path := serveOn(t, io.Discard, reg)
+	z := ztunneltest.Connect(t, path)
+	z.Wait(zds.KindSnapshotSent, "", wait)
+	waitConnected(t, s, true)
+	for i, name := range []string{"a", "b"} {
+		f := openNS(t, testnet.NewNS(t, "nftzds"))
+		if err := s.Add(context.Background(), "uid-"+name, zds.WorkloadInfo{Name: name, Namespace: "shop"}, f); err != nil {
+			t.Fatal(err)
+		}
+		z.Wait(zds.KindAdd, "uid-"+name, wait)
+		for _, h := range []string{"nftcni_ztunnel_add_queue_seconds", "nftcni_ztunnel_add_ack_seconds"} {
+			if n := sampleCount(t, reg, h); n != uint64(i+1) {
+				t.Errorf("%s: %d observations after %d Adds", h, n, i+1)
+			}
+		}
+	}
+}
+
+func sampleCount(t *testing.T, g prometheus.Gatherer, name string) uint64 {
+	t.Helper()
+	mfs, err := g.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == name {
+			return mf.GetMetric()[0].GetHistogram().GetSampleCount()
+		}
+	}
+	t.Fatalf("no metric %s", name)
+	return 0
 }
 
 // StartAdd's AddWorkload reaches ztunnel, which opens its listeners in the
