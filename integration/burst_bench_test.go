@@ -1,11 +1,11 @@
 package integration
 
 import (
-	"bufio"
 	"cmp"
 	"context"
 	"crypto/tls"
 	"fmt"
+	"io"
 	"math"
 	"net/http"
 	"regexp"
@@ -63,15 +63,15 @@ func BenchmarkNodeBurst(b *testing.B) {
 						helmInstall(b, n, imageValues, "chained")
 					}
 					before := kubelet(b)
-					var cpu0 float64
+					var m0 string
 					if v == "nftcni" {
-						cpu0 = agentCPU(b, n)
+						m0 = agentMetrics(b, n)
 					}
 					prefix := fmt.Sprintf("r%d", round)
 					starts := burst(b, n, "burst", prefix, size)
 					sli[v] = addBuckets(sli[v], subBuckets(kubelet(b), before))
 					if v == "nftcni" {
-						share.cpu += agentCPU(b, n) - cpu0
+						share.metrics(m0, agentMetrics(b, n))
 						share.pods += size
 						share.add(agentPodLog(b, n, waitDaemonSetPodReady(b, n, "kube-system", "k8s-app=nftcni-node")), "burst/"+prefix+"-")
 					}
@@ -106,6 +106,18 @@ type burstShare struct {
 	agent, decided, programmed []float64 // per enrolled pod, ms
 	failed, unacked            int       // ADDs the agent failed; of them, for want of ztunnel's ack
 	firstFailure               string
+	queue, ack                 map[float64]float64 // ZDS Adds' wait for their turn, and for ztunnel's ack
+}
+
+// metrics adds what the agent's metrics moved by over a burst.
+func (s *burstShare) metrics(before, after string) {
+	s.cpu += gauge(after, "process_cpu_seconds_total") - gauge(before, "process_cpu_seconds_total")
+	for _, h := range []struct {
+		sum  *map[float64]float64
+		name string
+	}{{&s.queue, "nftcni_ztunnel_add_queue_seconds"}, {&s.ack, "nftcni_ztunnel_add_ack_seconds"}} {
+		*h.sum = addBuckets(*h.sum, subBuckets(histogram(after, h.name), histogram(before, h.name)))
+	}
 }
 
 var enrolledTimes = regexp.MustCompile(`agent_ms"?[=:]([0-9.]+).*plugin_decided_ms"?[=:]([0-9.]+).*plugin_programmed_ms"?[=:]([0-9.]+)`)
@@ -154,6 +166,12 @@ func (s *burstShare) report(b *testing.B) {
 	b.ReportMetric(q(s.decided, 0.5), "plugin-decided-ms-p50")
 	b.ReportMetric(q(s.programmed, 0.5), "plugin-programmed-ms-p50")
 	b.ReportMetric(q(s.programmed, 0.99), "plugin-programmed-ms-p99")
+	b.ReportMetric(bucketQuantile(s.queue, 0.5)*1e3, "zds-queue-ms-p50")
+	b.ReportMetric(bucketQuantile(s.queue, 0.99)*1e3, "zds-queue-ms-p99")
+	b.ReportMetric(bucketQuantile(s.ack, 0.5)*1e3, "zds-ack-ms-p50")
+	b.ReportMetric(bucketQuantile(s.ack, 0.99)*1e3, "zds-ack-ms-p99")
+	b.Logf("ZDS AddWorkload: waiting for the connection (queued behind other pods' Adds) p50 <= %.0f ms, p99 <= %.0f ms; ztunnel's ack p50 <= %.0f ms, p99 <= %.0f ms (bucket bounds)",
+		bucketQuantile(s.queue, 0.5)*1e3, bucketQuantile(s.queue, 0.99)*1e3, bucketQuantile(s.ack, 0.5)*1e3, bucketQuantile(s.ack, 0.99)*1e3)
 	b.ReportMetric(float64(s.failed), "failed-adds")
 	b.ReportMetric(float64(s.unacked), "unacked-adds")
 	if s.failed > 0 {
@@ -163,9 +181,8 @@ func (s *burstShare) report(b *testing.B) {
 		s.cpu*1e3/float64(s.pods), q(s.agent, 0.5), q(s.agent, 0.99), q(s.decided, 0.5), q(s.programmed, 0.5), q(s.programmed, 0.99), len(s.agent), s.pods)
 }
 
-// agentCPU is the agent's CPU seconds so far (process_cpu_seconds_total
-// on its metrics port).
-func agentCPU(b *testing.B, n *nodetest.Node) float64 {
+// agentMetrics is the agent's /metrics text, on its metrics port.
+func agentMetrics(b *testing.B, n *nodetest.Node) string {
 	b.Helper()
 	agent, err := n.Client.CoreV1().Pods("kube-system").Get(context.Background(), waitDaemonSetPodReady(b, n, "kube-system", "k8s-app=nftcni-node"), metav1.GetOptions{})
 	if err != nil {
@@ -176,18 +193,45 @@ func agentCPU(b *testing.B, n *nodetest.Node) float64 {
 		b.Fatal(err)
 	}
 	defer resp.Body.Close()
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 1<<20), 1<<20)
-	for sc.Scan() {
-		if v, ok := strings.CutPrefix(sc.Text(), "process_cpu_seconds_total "); ok {
-			f, err := strconv.ParseFloat(v, 64)
-			if err == nil {
+	text, err := io.ReadAll(resp.Body)
+	if err != nil {
+		b.Fatal(err)
+	}
+	return string(text)
+}
+
+// gauge is the value of an unlabelled metric in a /metrics text.
+func gauge(text, name string) float64 {
+	for _, line := range strings.Split(text, "\n") {
+		if v, ok := strings.CutPrefix(line, name+" "); ok {
+			if f, err := strconv.ParseFloat(v, 64); err == nil {
 				return f
 			}
 		}
 	}
-	b.Fatal("the agent's metrics have no process_cpu_seconds_total")
-	return 0
+	return math.NaN()
+}
+
+// histogram is an unlabelled histogram's cumulative bucket counts by upper
+// bound, in a /metrics text.
+func histogram(text, name string) map[float64]float64 {
+	buckets := map[float64]float64{}
+	for _, line := range strings.Split(text, "\n") {
+		if !strings.HasPrefix(line, name+"_bucket{") {
+			continue
+		}
+		_, rest, _ := strings.Cut(line, `le="`)
+		le, count, _ := strings.Cut(rest, `"} `)
+		bound, err1 := strconv.ParseFloat(le, 64)
+		if le == "+Inf" {
+			bound, err1 = math.Inf(1), nil
+		}
+		v, err2 := strconv.ParseFloat(count, 64)
+		if err1 == nil && err2 == nil {
+			buckets[bound] = v
+		}
+	}
+	return buckets
 }
 
 // burst creates size pods at once and returns, for each, the time from
@@ -317,26 +361,11 @@ func kubeletMetrics(n *nodetest.Node) func(testing.TB) map[float64]float64 {
 			t.Fatalf("the kubelet's metrics: %v", err)
 		}
 		defer resp.Body.Close()
-		buckets := map[float64]float64{}
-		sc := bufio.NewScanner(resp.Body)
-		sc.Buffer(make([]byte, 1<<20), 1<<20)
-		for sc.Scan() {
-			line := sc.Text()
-			if !strings.HasPrefix(line, "kubelet_pod_start_sli_duration_seconds_bucket{") {
-				continue
-			}
-			_, rest, _ := strings.Cut(line, `le="`)
-			le, count, _ := strings.Cut(rest, `"} `)
-			bound, err1 := strconv.ParseFloat(le, 64)
-			if le == "+Inf" {
-				bound, err1 = math.Inf(1), nil
-			}
-			v, err2 := strconv.ParseFloat(count, 64)
-			if err1 == nil && err2 == nil {
-				buckets[bound] = v
-			}
+		text, err := io.ReadAll(resp.Body)
+		if err != nil {
+			t.Fatalf("the kubelet's metrics: %v", err)
 		}
-		return buckets
+		return histogram(string(text), "kubelet_pod_start_sli_duration_seconds")
 	}
 }
 
