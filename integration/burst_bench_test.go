@@ -18,17 +18,20 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/watch"
 
 	"github.com/nftcni/nftcni/integration/nodetest"
+	"github.com/nftcni/nftcni/istio"
 )
 
 // BenchmarkNodeBurst: N pods created at once in an ambient namespace on a
 // real node (kubelet, containerd 2.x, the scheduler bypassed as the other
 // node tests do), timed from each pod's creation to its container running
 // — what the kubelet's pod start-up SLI measures, image pulls excluded —
-// on the bare node (the primary alone) and with nftcni (the chart, the
-// ztunnel stand-in enrolling every pod), alternating per round
+// on the bare node (the primary alone), on the bare node with each pod's
+// redirection annotation PATCHed as the agent does, and with nftcni (the
+// chart, the ztunnel stand-in enrolling every pod), rotating per round
 // (-benchtime Nx: N rounds of each). Reported per variant: p50, p90 and
 // p99 in ms over every pod of every round, the kubelet's own
 // kubelet_pod_start_sli_duration_seconds (its histogram's quantiles,
@@ -36,9 +39,10 @@ import (
 // rounds with its bootstrap interval. Where nftcni's share goes, per
 // enrolled pod: the agent's CPU time over the burst (its
 // process_cpu_seconds_total), the agent's time on each ADD (from the
-// decision to the plugin's outcome, its log's agent_ms) and the plugin's
-// own clock to its decision and to its rules programmed. Istio's CNI is
-// not a variant yet.
+// decision to the annotation, its log's agent_ms), the plugin's own clock
+// to its decision and to its rules programmed, and each ZDS Add's wait
+// for its connection and for ztunnel's ack. Istio's CNI is not a variant
+// yet.
 func BenchmarkNodeBurst(b *testing.B) {
 	gen := containerd2(b)
 	n := nodetest.Start(b, gen)
@@ -54,10 +58,8 @@ func BenchmarkNodeBurst(b *testing.B) {
 			sli := map[string]map[float64]float64{} // variant -> histogram bucket deltas
 			var share burstShare
 			for round := 0; round < b.N; round++ {
-				order := []string{"bare", "nftcni"}
-				if round%2 == 1 {
-					slices.Reverse(order)
-				}
+				order := slices.Clone(burstVariants)
+				rotate(order, round)
 				for _, v := range order {
 					if v == "nftcni" {
 						helmInstall(b, n, imageValues, "chained")
@@ -68,7 +70,7 @@ func BenchmarkNodeBurst(b *testing.B) {
 						m0 = agentMetrics(b, n)
 					}
 					prefix := fmt.Sprintf("r%d", round)
-					starts := burst(b, n, "burst", prefix, size)
+					starts := burst(b, n, "burst", prefix, size, v == "bare+annotation")
 					sli[v] = addBuckets(sli[v], subBuckets(kubelet(b), before))
 					if v == "nftcni" {
 						share.metrics(m0, agentMetrics(b, n))
@@ -82,7 +84,7 @@ func BenchmarkNodeBurst(b *testing.B) {
 					}
 				}
 			}
-			for _, v := range []string{"bare", "nftcni"} {
+			for _, v := range burstVariants {
 				b.ReportMetric(ms(quantile(pods[v], 0.5)), v+"-ms-p50")
 				b.ReportMetric(ms(quantile(pods[v], 0.9)), v+"-ms-p90")
 				b.ReportMetric(ms(quantile(pods[v], 0.99)), v+"-ms-p99")
@@ -95,6 +97,9 @@ func BenchmarkNodeBurst(b *testing.B) {
 			b.ReportMetric(lo, "p99-nftcni/bare-p5")
 			b.ReportMetric(hi, "p99-nftcni/bare-p95")
 			b.Logf("%d pods at once, %d rounds: p99 nftcni/bare %.3fx (90%% of round resamples %.3f–%.3fx)", size, b.N, r, lo, hi)
+			ra, alo, ahi := addedRatio(p99s, "bare+annotation", "bare", "")
+			b.ReportMetric(ra, "p99-annotation/bare")
+			b.Logf("the bare node with each pod's annotation PATCHed as the agent does: p99 %.3fx the bare node's (%.3f–%.3fx)", ra, alo, ahi)
 		})
 	}
 }
@@ -234,19 +239,42 @@ func histogram(text, name string) map[float64]float64 {
 	return buckets
 }
 
+// burstVariants are the bare node, the bare node with each pod's
+// redirection annotation PATCHed once its sandbox has an IP (what the
+// agent does at ADD: an API write per pod, and the updates it sets off in
+// the kubelet and every watcher), and nftcni.
+var burstVariants = []string{"bare", "bare+annotation", "nftcni"}
+
+// rotate moves the first r%len(s) elements of s to its end.
+func rotate(s []string, r int) {
+	k := r % len(s)
+	copy(s, append(slices.Clone(s[k:]), s[:k]...))
+}
+
 // burst creates size pods at once and returns, for each, the time from
 // its creation to its container running, then deletes them and waits
-// until they are gone.
-func burst(b *testing.B, n *nodetest.Node, ns, prefix string, size int) []time.Duration {
+// until they are gone. annotate: each pod gets ambient.istio.io/
+// redirection=enabled PATCHed once it has an IP.
+func burst(b *testing.B, n *nodetest.Node, ns, prefix string, size int, annotate bool) []time.Duration {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	var mu sync.Mutex
 	created := map[string]time.Time{}
 	running := map[string]time.Time{}
+	patched := map[string]bool{}
 	// seen notes a pod's container running, and says whether all are.
 	seen := func(p *corev1.Pod) bool {
 		mu.Lock()
 		defer mu.Unlock()
+		if annotate && p.Status.PodIP != "" && !patched[p.Name] {
+			patched[p.Name] = true
+			go func(name string) {
+				patch := []byte(`{"metadata":{"annotations":{"` + istio.AnnRedirection + `":"enabled"}}}`)
+				if _, err := n.Client.CoreV1().Pods(ns).Patch(ctx, name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil && ctx.Err() == nil {
+					b.Logf("annotating %s: %v", name, err)
+				}
+			}(p.Name)
+		}
 		if _, ok := running[p.Name]; !ok && len(p.Status.ContainerStatuses) == 1 && p.Status.ContainerStatuses[0].State.Running != nil {
 			running[p.Name] = time.Now()
 		}
