@@ -221,14 +221,14 @@ func decodeField(m *Message, lens **batchLen, key string, v gjson.Result) (err e
 	switch key {
 	case "kind":
 		var s string
-		s, err = str(v, key)
+		s, err = str(v, key, "")
 		m.Kind = Kind(s)
 	case "pod":
 		m.Pod, err = decodePod(v, key)
 	case "decision":
 		m.Decision, err = decodeVerdict(v)
 	case "error":
-		m.Error, err = str(v, key)
+		m.Error, err = str(v, key, "")
 	case "valid":
 		m.Valid, err = decodeValid(v)
 	case "logs":
@@ -239,21 +239,34 @@ func decodeField(m *Message, lens **batchLen, key string, v gjson.Result) (err e
 			m.Logs = append(m.Logs, json.RawMessage(l.Raw))
 		}
 	case "timings":
-		m.Timings = &Timings{}
-		err = fields(v, key, map[string]func(gjson.Result) error{
-			"decided_ms":    num(&m.Timings.Decided, key+".decided_ms"),
-			"programmed_ms": num(&m.Timings.Programmed, key+".programmed_ms"),
+		t := &Timings{}
+		m.Timings = t
+		err = fields(v, key, func(k string, v gjson.Result) (err error) {
+			switch k {
+			case "decided_ms":
+				t.Decided, err = num(v, key, k)
+			case "programmed_ms":
+				t.Programmed, err = num(v, key, k)
+			}
+			return err
 		})
 	case "inspect":
 		m.Inspect, err = decodeInspect(v)
 	case "deadline":
-		m.Deadline, err = integer(v, key)
+		m.Deadline, err = integer(v, key, "")
 	case "batch":
-		*lens = &batchLen{}
-		err = fields(v, key, map[string]func(gjson.Result) error{
-			"tables":  length(&(*lens).Tables, "batch.tables"),
-			"replace": length(&(*lens).Replace, "batch.replace"),
-			"routes":  length(&(*lens).Routes, "batch.routes"),
+		l := &batchLen{}
+		*lens = l
+		err = fields(v, key, func(k string, v gjson.Result) error {
+			switch k {
+			case "tables":
+				return length(&l.Tables, v, k)
+			case "replace":
+				return length(&l.Replace, v, k)
+			case "routes":
+				return length(&l.Routes, v, k)
+			}
+			return nil
 		})
 	}
 	return err
@@ -305,45 +318,55 @@ func (m *Message) checkDecision() error {
 
 func decodePod(v gjson.Result, at string) (*Pod, error) {
 	p := &Pod{}
-	err := fields(v, at, map[string]func(gjson.Result) error{
-		"namespace":   strTo(&p.Namespace, at+".namespace"),
-		"name":        strTo(&p.Name, at+".name"),
-		"uid":         strTo(&p.UID, at+".uid"),
-		"containerID": strTo(&p.ContainerID, at+".containerID"),
-		"ifname":      strTo(&p.IfName, at+".ifname"),
-		"netns":       strTo(&p.Netns, at+".netns"),
-		"ips": func(v gjson.Result) error {
+	err := fields(v, at, func(k string, v gjson.Result) (err error) {
+		switch k {
+		case "namespace":
+			p.Namespace, err = str(v, at, k)
+		case "name":
+			p.Name, err = str(v, at, k)
+		case "uid":
+			p.UID, err = str(v, at, k)
+		case "containerID":
+			p.ContainerID, err = str(v, at, k)
+		case "ifname":
+			p.IfName, err = str(v, at, k)
+		case "netns":
+			p.Netns, err = str(v, at, k)
+		case "ips":
 			if !v.IsArray() {
 				return fmt.Errorf("%s.ips: want a list", at)
 			}
 			for _, ip := range v.Array() {
-				s, err := str(ip, at+".ips")
+				s, err := str(ip, at, k)
 				if err != nil {
 					return err
 				}
 				p.IPs = append(p.IPs, s)
 			}
-			return nil
-		},
+		}
+		return err
 	})
 	return p, err
 }
 
 func decodeVerdict(v gjson.Result) (*Verdict, error) {
 	d := &Verdict{}
-	var mode string
-	err := fields(v, "decision", map[string]func(gjson.Result) error{
-		"mode":   strTo(&mode, "decision.mode"),
-		"reason": strTo(&d.Reason, "decision.reason"),
-		"programmed": func(v gjson.Result) error {
+	err := fields(v, "decision", func(k string, v gjson.Result) (err error) {
+		switch k {
+		case "mode":
+			var mode string
+			mode, err = str(v, "decision", k)
+			d.Mode = Mode(mode)
+		case "reason":
+			d.Reason, err = str(v, "decision", k)
+		case "programmed":
 			if v.Type != gjson.True && v.Type != gjson.False {
 				return errors.New("decision.programmed: want true or false")
 			}
 			d.Programmed = v.Bool()
-			return nil
-		},
+		}
+		return err
 	})
-	d.Mode = Mode(mode)
 	return d, err
 }
 
@@ -354,9 +377,14 @@ func decodeValid(v gjson.Result) ([]Attachment, error) {
 	var out []Attachment
 	for _, e := range v.Array() {
 		var a Attachment
-		if err := fields(e, "valid", map[string]func(gjson.Result) error{
-			"containerID": strTo(&a.ContainerID, "valid.containerID"),
-			"ifname":      strTo(&a.IfName, "valid.ifname"),
+		if err := fields(e, "valid", func(k string, v gjson.Result) (err error) {
+			switch k {
+			case "containerID":
+				a.ContainerID, err = str(v, "valid", k)
+			case "ifname":
+				a.IfName, err = str(v, "valid", k)
+			}
+			return err
 		}); err != nil {
 			return nil, err
 		}
@@ -367,50 +395,58 @@ func decodeValid(v gjson.Result) ([]Attachment, error) {
 
 func decodeInspect(v gjson.Result) (*Inspect, error) {
 	in := &Inspect{}
-	var reps int64
-	err := fields(v, "inspect", map[string]func(gjson.Result) error{
-		"zds":       strTo(&in.ZDS, "inspect.zds"),
-		"drift":     strTo(&in.Drift, "inspect.drift"),
-		"enrolment": strTo(&in.Enrolment, "inspect.enrolment"),
-		"repairs": func(v gjson.Result) (err error) {
-			reps, err = integer(v, "inspect.repairs")
-			return err
-		},
-		"verified": func(v gjson.Result) error {
-			s, err := str(v, "inspect.verified")
-			if err == nil {
-				in.Verified, err = time.Parse(time.RFC3339Nano, s)
+	err := fields(v, "inspect", func(k string, v gjson.Result) (err error) {
+		switch k {
+		case "zds":
+			in.ZDS, err = str(v, "inspect", k)
+		case "drift":
+			in.Drift, err = str(v, "inspect", k)
+		case "enrolment":
+			in.Enrolment, err = str(v, "inspect", k)
+		case "repairs":
+			var n int64
+			n, err = integer(v, "inspect", k)
+			in.Repairs = int(n)
+		case "verified":
+			var t string
+			if t, err = str(v, "inspect", k); err == nil {
+				in.Verified, err = time.Parse(time.RFC3339Nano, t)
 			}
-			return err
-		},
-		"pod": func(v gjson.Result) (err error) {
+		case "pod":
 			in.Pod, err = decodePod(v, "inspect.pod")
-			return err
-		},
+		}
+		return err
 	})
-	in.Repairs = int(reps)
 	return in, err
 }
 
-// fields reads an object's known fields with their readers; others are
-// ignored, null ones too.
-func fields(v gjson.Result, at string, read map[string]func(gjson.Result) error) error {
+// fields reads an object's fields with read (key, value); null ones are
+// skipped, as encoding/json leaves them.
+func fields(v gjson.Result, at string, read func(key string, v gjson.Result) error) error {
 	if !v.IsObject() {
 		return fmt.Errorf("%s: want an object", at)
 	}
 	var err error
 	v.ForEach(func(k, v gjson.Result) bool {
-		if f := read[k.Str]; f != nil && v.Type != gjson.Null {
-			err = f(v)
+		if v.Type != gjson.Null {
+			err = read(k.Str, v)
 		}
 		return err == nil
 	})
 	return err
 }
 
-func str(v gjson.Result, at string) (string, error) {
+// field names a field in an error: at.key, or at alone.
+func field(at, key string) string {
+	if key == "" {
+		return at
+	}
+	return at + "." + key
+}
+
+func str(v gjson.Result, at, key string) (string, error) {
 	if v.Type != gjson.String {
-		return "", fmt.Errorf("%s: want a string", at)
+		return "", fmt.Errorf("%s: want a string", field(at, key))
 	}
 	if !utf8.ValidString(v.Str) {
 		return validUTF8(v.Str), nil
@@ -430,46 +466,34 @@ func validUTF8(s string) string {
 	return b.String()
 }
 
-func strTo(dst *string, at string) func(gjson.Result) error {
-	return func(v gjson.Result) (err error) {
-		*dst, err = str(v, at)
-		return err
+func num(v gjson.Result, at, key string) (float64, error) {
+	if v.Type != gjson.Number {
+		return 0, fmt.Errorf("%s: want a number", field(at, key))
 	}
-}
-
-func num(dst *float64, at string) func(gjson.Result) error {
-	return func(v gjson.Result) error {
-		if v.Type != gjson.Number {
-			return fmt.Errorf("%s: want a number", at)
-		}
-		*dst = v.Num
-		return nil
-	}
+	return v.Num, nil
 }
 
 // integer reads a whole number exactly (a deadline in nanoseconds does not
 // fit a float64's mantissa).
-func integer(v gjson.Result, at string) (int64, error) {
+func integer(v gjson.Result, at, key string) (int64, error) {
 	if v.Type != gjson.Number {
-		return 0, fmt.Errorf("%s: want a number", at)
+		return 0, fmt.Errorf("%s: want a number", field(at, key))
 	}
 	n, err := strconv.ParseInt(v.Raw, 10, 64)
 	if err != nil {
-		return 0, fmt.Errorf("%s: want a whole number: %w", at, err)
+		return 0, fmt.Errorf("%s: want a whole number: %w", field(at, key), err)
 	}
 	return n, nil
 }
 
 // length reads a batch part's length; splitTail holds it to the tail.
-func length(dst *int, at string) func(gjson.Result) error {
-	return func(v gjson.Result) error {
-		n, err := integer(v, at)
-		if err != nil {
-			return fmt.Errorf("%s is not a length", at)
-		}
-		*dst = int(n)
-		return nil
+func length(dst *int, v gjson.Result, key string) error {
+	n, err := integer(v, "batch", key)
+	if err != nil {
+		return fmt.Errorf("batch.%s is not a length", key)
 	}
+	*dst = int(n)
+	return nil
 }
 
 // splitTail cuts a message's tail into the batch its lengths name: the
