@@ -8,6 +8,8 @@ import (
 	"io"
 	"math"
 	"net/http"
+	"os"
+	"path/filepath"
 	"regexp"
 	"slices"
 	"strconv"
@@ -21,6 +23,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/watch"
 
+	"github.com/nftcni/nftcni/integration/istiotest"
 	"github.com/nftcni/nftcni/integration/nodetest"
 	"github.com/nftcni/nftcni/istio"
 )
@@ -41,8 +44,11 @@ import (
 // process_cpu_seconds_total), the agent's time on each ADD (from the
 // decision to the annotation, its log's agent_ms), the plugin's own clock
 // to its decision and to its rules programmed, and each ZDS Add's wait
-// for its connection and for ztunnel's ack. Istio's CNI is not a variant
-// yet.
+// for its connection and for ztunnel's ack. Istio's CNI is the fourth
+// variant: its install-cni (ambient, nftables backend) run inside the node
+// as its chart runs it, patching the node's conflist, its istio-cni plugin
+// run by containerd, and the same ztunnel stand-in. Every pod of the
+// nftcni and Istio variants must end annotated as enrolled.
 func BenchmarkNodeBurst(b *testing.B) {
 	gen := containerd2(b)
 	n := nodetest.Start(b, gen)
@@ -61,8 +67,12 @@ func BenchmarkNodeBurst(b *testing.B) {
 				order := slices.Clone(burstVariants)
 				rotate(order, round)
 				for _, v := range order {
-					if v == "nftcni" {
+					var istioAgent *istiotest.Agent
+					switch v {
+					case "nftcni":
 						helmInstall(b, n, imageValues, "chained")
+					case "istio-cni":
+						istioAgent = startIstioCNI(b, n)
 					}
 					before := kubelet(b)
 					var m0 string
@@ -70,17 +80,19 @@ func BenchmarkNodeBurst(b *testing.B) {
 						m0 = agentMetrics(b, n)
 					}
 					prefix := fmt.Sprintf("r%d", round)
-					starts := burst(b, n, "burst", prefix, size, v == "bare+annotation")
+					starts := burst(b, n, "burst", prefix, size, burstOptions{
+						patch: v == "bare+annotation", enrolled: v == "nftcni" || v == "istio-cni"})
 					sli[v] = addBuckets(sli[v], subBuckets(kubelet(b), before))
-					if v == "nftcni" {
+					pods[v] = append(pods[v], starts...)
+					p99s[v] = append(p99s[v], quantile(starts, 0.99))
+					switch v {
+					case "nftcni":
 						share.metrics(m0, agentMetrics(b, n))
 						share.pods += size
 						share.add(agentPodLog(b, n, waitDaemonSetPodReady(b, n, "kube-system", "k8s-app=nftcni-node")), "burst/"+prefix+"-")
-					}
-					pods[v] = append(pods[v], starts...)
-					p99s[v] = append(p99s[v], quantile(starts, 0.99))
-					if v == "nftcni" {
 						helmUninstall(b, n)
+					case "istio-cni":
+						stopIstioCNI(b, n, istioAgent)
 					}
 				}
 			}
@@ -97,6 +109,14 @@ func BenchmarkNodeBurst(b *testing.B) {
 			b.ReportMetric(lo, "p99-nftcni/bare-p5")
 			b.ReportMetric(hi, "p99-nftcni/bare-p95")
 			b.Logf("%d pods at once, %d rounds: p99 nftcni/bare %.3fx (90%% of round resamples %.3f–%.3fx)", size, b.N, r, lo, hi)
+			ri, ilo, ihi := addedRatio(p99s, "istio-cni", "bare", "")
+			b.ReportMetric(ri, "p99-istio/bare")
+			b.ReportMetric(ilo, "p99-istio/bare-p5")
+			b.ReportMetric(ihi, "p99-istio/bare-p95")
+			b.Logf("%d pods at once, %d rounds: p99 istio-cni/bare %.3fx (%.3f–%.3fx)", size, b.N, ri, ilo, ihi)
+			radd, addlo, addhi := addedRatio(p99s, "nftcni", "istio-cni", "bare")
+			b.ReportMetric(radd, "p99-added-nftcni/istio")
+			b.Logf("what nftcni adds to the bare node's p99 over what Istio's CNI adds: %.3f (%.3f–%.3f)", radd, addlo, addhi)
 			ra, alo, ahi := addedRatio(p99s, "bare+annotation", "bare", "")
 			b.ReportMetric(ra, "p99-annotation/bare")
 			b.Logf("the bare node with each pod's annotation PATCHed as the agent does: p99 %.3fx the bare node's (%.3f–%.3fx)", ra, alo, ahi)
@@ -243,7 +263,49 @@ func histogram(text, name string) map[float64]float64 {
 // redirection annotation PATCHed once its sandbox has an IP (what the
 // agent does at ADD: an API write per pod, and the updates it sets off in
 // the kubelet and every watcher), and nftcni.
-var burstVariants = []string{"bare", "bare+annotation", "nftcni"}
+var burstVariants = []string{"bare", "bare+annotation", "nftcni", "istio-cni"}
+
+// startIstioCNI runs Istio's CNI agent inside the node, as its DaemonSet
+// would (the node's netns as its host netns, its plugin in the node's
+// conflist, its ZDS socket on the host path ztunnel mounts), and waits for
+// the ztunnel stand-in to connect to it.
+func startIstioCNI(b *testing.B, n *nodetest.Node) *istiotest.Agent {
+	b.Helper()
+	a := istiotest.Start(b, istiotest.Options{HostNetns: "/proc/1/ns/net", ConfDir: n.ConfDir, BinDir: n.BinDir,
+		APIHost: fmt.Sprintf("%s:6443", nodetest.NodeIP), Token: nodetest.AdminToken, NodeName: nodetest.NodeName,
+		Nftables: true, Command: n.Command, Root: n.Path(""), ZtunnelSocket: "/run/ztunnel/ztunnel.sock"})
+	n.WaitFor("the ztunnel stand-in connected to Istio's agent", 60*time.Second, func() bool {
+		return strings.Contains(a.Log(), "new ztunnel connected")
+	})
+	return a
+}
+
+// stopIstioCNI stops Istio's agent as its DaemonSet's removal would, and
+// leaves the node as the bare node: the primary's conflist and no table of
+// Istio's in the node's netns.
+func stopIstioCNI(b *testing.B, n *nodetest.Node, a *istiotest.Agent) {
+	b.Helper()
+	a.Stop()
+	if conf, _ := os.ReadFile(filepath.Join(n.ConfDir, nodetest.ConfFile)); strings.Contains(string(conf), "istio-cni") {
+		n.WritePrimaryConflist()
+	}
+	out, err := n.Run("nft", "list", "tables")
+	if err != nil {
+		b.Fatalf("nft list tables in the node: %v\n%s", err, out)
+	}
+	for _, line := range strings.Split(out, "\n") {
+		if f := strings.Fields(line); len(f) == 3 && strings.HasPrefix(f[2], "istio") {
+			if out, err := n.Run("nft", "delete", "table", f[1], f[2]); err != nil {
+				b.Fatalf("nft delete table %s %s: %v\n%s", f[1], f[2], err, out)
+			}
+		}
+	}
+}
+
+// burstOptions: patch, PATCH each pod's redirection annotation once it has
+// an IP (the agent's API write, without the agent); enrolled, require each
+// pod to end annotated as enrolled by the CNI agent.
+type burstOptions struct{ patch, enrolled bool }
 
 // rotate moves the first r%len(s) elements of s to its end.
 func rotate(s []string, r int) {
@@ -253,20 +315,24 @@ func rotate(s []string, r int) {
 
 // burst creates size pods at once and returns, for each, the time from
 // its creation to its container running, then deletes them and waits
-// until they are gone. annotate: each pod gets ambient.istio.io/
-// redirection=enabled PATCHed once it has an IP.
-func burst(b *testing.B, n *nodetest.Node, ns, prefix string, size int, annotate bool) []time.Duration {
+// until they are gone.
+func burst(b *testing.B, n *nodetest.Node, ns, prefix string, size int, o burstOptions) []time.Duration {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	var mu sync.Mutex
 	created := map[string]time.Time{}
 	running := map[string]time.Time{}
 	patched := map[string]bool{}
-	// seen notes a pod's container running, and says whether all are.
+	annotated := map[string]bool{}
+	// seen notes a pod's container running, and says whether all are
+	// (and, for enrolled bursts, annotated).
 	seen := func(p *corev1.Pod) bool {
 		mu.Lock()
 		defer mu.Unlock()
-		if annotate && p.Status.PodIP != "" && !patched[p.Name] {
+		if p.Annotations[istio.AnnRedirection] == "enabled" {
+			annotated[p.Name] = true
+		}
+		if o.patch && p.Status.PodIP != "" && !patched[p.Name] {
 			patched[p.Name] = true
 			go func(name string) {
 				patch := []byte(`{"metadata":{"annotations":{"` + istio.AnnRedirection + `":"enabled"}}}`)
@@ -278,7 +344,7 @@ func burst(b *testing.B, n *nodetest.Node, ns, prefix string, size int, annotate
 		if _, ok := running[p.Name]; !ok && len(p.Status.ContainerStatuses) == 1 && p.Status.ContainerStatuses[0].State.Running != nil {
 			running[p.Name] = time.Now()
 		}
-		return len(running) == size
+		return len(running) == size && (!o.enrolled || len(annotated) == size)
 	}
 	// The API server ends a watch when it likes: list, then watch from
 	// the list's version, until every pod has been seen running.
@@ -344,12 +410,14 @@ func burst(b *testing.B, n *nodetest.Node, ns, prefix string, size int, annotate
 	select {
 	case <-done:
 	case <-time.After(5 * time.Minute):
-		b.Fatalf("%d of %d pods running after 5 minutes", len(running), size)
+		mu.Lock()
+		defer mu.Unlock()
+		b.Fatalf("after 5 minutes: %d of %d pods running, %d annotated", len(running), size, len(annotated))
 	}
 	mu.Lock()
 	defer mu.Unlock()
-	if len(running) != size {
-		b.Fatalf("the watch ended with %d of %d pods seen running", len(running), size)
+	if len(running) != size || (o.enrolled && len(annotated) != size) {
+		b.Fatalf("the watch ended with %d of %d pods seen running, %d annotated", len(running), size, len(annotated))
 	}
 	var starts []time.Duration
 	for name, at := range running {

@@ -66,7 +66,7 @@ func istioSide(t *testing.T, kube *kubetest.Server, nodeName string, nftables bo
 		t.Fatal(err)
 	}
 	api := istiotest.Relay(t, s.node.NS, strings.TrimPrefix(kube.Config.Host, "https://"))
-	a := istiotest.Start(t, istiotest.Options{Node: s.node.NS, ConfDir: confDir, BinDir: binDir, APIHost: api,
+	a := istiotest.Start(t, istiotest.Options{HostNetns: s.node.NS.Path, ConfDir: confDir, BinDir: binDir, APIHost: api,
 		Token: kube.Token, NodeName: nodeName, Nftables: nftables})
 	s.log = a.Log
 	s.z = ztunneltest.ConnectBare(t, a.ZtunnelSocket)

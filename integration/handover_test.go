@@ -102,7 +102,7 @@ func enrolWithIstioOwned(t testing.TB, kube *kubetest.Server, subnet, count int,
 		h.pods = append(h.pods, testnet.NewNS(t, "handover"))
 	}
 	api := istiotest.Relay(t, h.n.node, strings.TrimPrefix(kube.Config.Host, "https://"))
-	h.agent = istiotest.Start(t, istiotest.Options{Node: h.n.node, ConfDir: h.confDir, BinDir: istioBin, APIHost: api,
+	h.agent = istiotest.Start(t, istiotest.Options{HostNetns: h.n.node.Path, ConfDir: h.confDir, BinDir: istioBin, APIHost: api,
 		Token: kube.Token, NodeName: h.node, Nftables: nftables, OwnedConfig: owned})
 	h.z = ztunneltest.Connect(t, h.agent.ZtunnelSocket)
 	if owned {

@@ -81,7 +81,7 @@ func benchIstio(b *testing.B, kube *kubetest.Server, subnet int, nftables bool) 
 		pods[v] = testnet.NewNS(b, "istbench")
 	}
 	api := istiotest.Relay(b, n.node, strings.TrimPrefix(kube.Config.Host, "https://"))
-	agent := istiotest.Start(b, istiotest.Options{Node: n.node, ConfDir: confDir, BinDir: istioBin, APIHost: api,
+	agent := istiotest.Start(b, istiotest.Options{HostNetns: n.node.Path, ConfDir: confDir, BinDir: istioBin, APIHost: api,
 		Token: kube.Token, NodeName: node, Nftables: nftables})
 	z := ztunneltest.Connect(b, agent.ZtunnelSocket)
 	withIstio, err := libcni.ConfListFromFile(conf)

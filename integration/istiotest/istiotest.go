@@ -20,6 +20,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -47,12 +48,14 @@ func Bins(t testing.TB) string {
 
 // Options say where the agent runs.
 type Options struct {
-	Node     *testnet.NS // the node's netns: the agent's host netns
-	ConfDir  string      // the node's CNI conf dir, holding the primary conflist
-	BinDir   string      // the node's CNI bin dir: install-cni copies istio-cni there
-	APIHost  string      // the API server as seen from the node netns (host:port)
-	Token    string      // a bearer token for it
-	NodeName string
+	// HostNetns is the node's netns (a path as the agent's process sees
+	// it): the agent's host netns.
+	HostNetns string
+	ConfDir   string // the node's CNI conf dir, holding the primary conflist
+	BinDir    string // the node's CNI bin dir: install-cni copies istio-cni there
+	APIHost   string // the API server as seen from the node netns (host:port)
+	Token     string // a bearer token for it
+	NodeName  string
 	// Nftables selects Istio's native nftables backend (NATIVE_NFTABLES);
 	// false: its iptables backend (iptables-nft here).
 	Nftables bool
@@ -60,6 +63,16 @@ type Options struct {
 	// (02-istio-cni.conflist, the primary's plugins and its own) instead
 	// of patching the primary's.
 	OwnedConfig bool
+	// Command starts the agent's process (default exec.Command): a node's
+	// nsenter puts it in that node's mount, net and pid namespaces, where
+	// its kubelet and containerd run. Root is where the test sees that
+	// mount namespace's files ("" for the machine's).
+	Command func(name string, args ...string) *exec.Cmd
+	Root    string
+	// ZtunnelSocket is where the agent serves ztunnel (default: in a
+	// temporary dir); its dir is bound into the agent's root at the same
+	// path, so a ztunnel on that node's host path finds it.
+	ZtunnelSocket string
 }
 
 // Agent is a running install-cni.
@@ -81,14 +94,16 @@ func (a *Agent) Log() string {
 }
 
 // setup builds the root and execs the agent in it: $1 root, $2 node netns,
-// $3 the bins dir, $4 the service account dir, $5 the node's bin dir; the
-// rest is the agent's command line.
+// $3 the bins dir, $4 the service account dir, $5 the node's bin dir, $6
+// the ztunnel socket's dir; the rest is the agent's command line.
 const setup = `set -eu
-R=$1 NETNS=$2 BINS=$3 SA=$4 HOSTBIN=$5; shift 5
+R=$1 NETNS=$2 BINS=$3 SA=$4 HOSTBIN=$5 ZDIR=$6; shift 6
+mkdir -p /run/netns "$ZDIR"
 mount -t tmpfs tmpfs "$R"
-for d in usr etc dev proc sys tmp run/netns opt/istio opt/cni/bin host/opt/cni/bin host/proc/1/ns host/var/run/netns var/run/secrets/kubernetes.io/serviceaccount; do mkdir -p "$R/$d"; done
+for d in usr etc dev proc sys tmp run/netns opt/istio opt/cni/bin host/opt/cni/bin host/proc/1/ns host/var/run/netns var/run/secrets/kubernetes.io/serviceaccount "$ZDIR"; do mkdir -p "$R/$d"; done
 for l in bin sbin lib lib32 lib64 libx32; do [ -L /$l ] && ln -s "$(readlink /$l)" "$R/$l"; done
 for d in usr etc dev proc sys tmp run/netns; do mount --rbind /$d "$R/$d"; done
+mount --bind "$ZDIR" "$R$ZDIR"
 mount --rbind /run/netns "$R/host/var/run/netns"
 : >"$R/host/proc/1/ns/net"
 mount --bind "$NETNS" "$R/host/proc/1/ns/net"
@@ -111,10 +126,19 @@ func Start(t testing.TB, o Options) *Agent {
 	t.Helper()
 	bins := Bins(t)
 	dir := t.TempDir()
-	a := &Agent{RunDir: filepath.Join(dir, "run"), ZtunnelSocket: filepath.Join(dir, "ztunnel", "ztunnel.sock"), log: filepath.Join(dir, "install-cni.log")}
+	a := &Agent{RunDir: filepath.Join(dir, "run"), ZtunnelSocket: o.ZtunnelSocket, log: filepath.Join(dir, "install-cni.log")}
+	if a.ZtunnelSocket == "" {
+		a.ZtunnelSocket = filepath.Join(dir, "ztunnel", "ztunnel.sock")
+		if err := os.MkdirAll(filepath.Dir(a.ZtunnelSocket), 0o700); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if o.Command == nil {
+		o.Command = exec.Command
+	}
 	sa := filepath.Join(dir, "serviceaccount")
 	root := filepath.Join(dir, "root")
-	for _, d := range []string{a.RunDir, filepath.Dir(a.ZtunnelSocket), sa, root} {
+	for _, d := range []string{a.RunDir, sa, root} {
 		if err := os.MkdirAll(d, 0o700); err != nil {
 			t.Fatal(err)
 		}
@@ -142,11 +166,11 @@ func Start(t testing.TB, o Options) *Agent {
 	// Slave propagation, as the istio-cni chart's HostToContainer mount of
 	// the netns dir: pod netns made after the agent started reach it.
 	args := []string{"-m", "--propagation", "slave", "--", "sh", "-c", setup, "istio-node",
-		root, o.Node.Path, bins, sa, o.BinDir,
+		root, o.HostNetns, bins, sa, o.BinDir, filepath.Dir(a.ZtunnelSocket),
 		"/opt/istio/install-cni",
 		"--mounted-cni-net-dir", o.ConfDir, "--cni-agent-run-dir", a.RunDir, "--ztunnel-uds-address", a.ZtunnelSocket,
 		"--ambient-enabled", "--repair-enabled=false", "--skip-tls-verify", "--chained-cni-plugin", "--log-level", "info"}
-	cmd := exec.Command("unshare", args...)
+	cmd := o.Command("unshare", args...)
 	cmd.Env = []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
 		"KUBERNETES_SERVICE_HOST=" + host, "KUBERNETES_SERVICE_PORT=" + port, "KUBECONFIG=" + kubeconfig,
 		"NODE_NAME=" + o.NodeName, "KUBERNETES_NODE_NAME=" + o.NodeName, "POD_NAMESPACE=istio-system", "POD_NAME=istio-cni-node-test",
@@ -166,10 +190,14 @@ func Start(t testing.TB, o Options) *Agent {
 	var once sync.Once
 	a.stop = func() {
 		once.Do(func() {
-			_ = cmd.Process.Signal(syscall.SIGTERM)
+			// nsenter forks into a pid namespace and passes no signal on:
+			// signal the agent itself.
+			pid := agentPID(cmd.Process.Pid)
+			_ = syscall.Kill(pid, syscall.SIGTERM)
 			select {
 			case <-exited:
 			case <-time.After(5 * time.Second):
+				_ = syscall.Kill(pid, syscall.SIGKILL)
 				_ = cmd.Process.Kill()
 				<-exited
 			}
@@ -185,7 +213,7 @@ func Start(t testing.TB, o Options) *Agent {
 				patched = patched || strings.Contains(string(b), `"istio-cni"`)
 			}
 		}
-		_, zerr := os.Stat(a.ZtunnelSocket)
+		_, zerr := os.Stat(o.Root + a.ZtunnelSocket)
 		if patched && zerr == nil {
 			return a
 		}
@@ -197,6 +225,27 @@ func Start(t testing.TB, o Options) *Agent {
 		if time.Now().After(deadline) {
 			t.Fatalf("install-cni did not install itself and serve ztunnel within 60 s:\n%s", tail(a.log))
 		}
+	}
+}
+
+// agentPID is the process started as pid, past any nsenter that forked
+// to run it.
+func agentPID(pid int) int {
+	for {
+		comm, _ := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid))
+		if strings.TrimSpace(string(comm)) != "nsenter" {
+			return pid
+		}
+		kids, _ := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", pid, pid))
+		f := strings.Fields(string(kids))
+		if len(f) == 0 {
+			return pid
+		}
+		next, err := strconv.Atoi(f[0])
+		if err != nil {
+			return pid
+		}
+		pid = next
 	}
 }
 

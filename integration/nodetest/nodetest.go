@@ -50,8 +50,9 @@ const (
 	PodSubnet = "10.88.0.0/16"
 	Bridge    = "nodebr0"
 	// ConfFile is the primary CNI's conflist in ConfDir.
-	ConfFile    = "10-node.conflist"
-	adminToken  = "node-admin-token"
+	ConfFile = "10-node.conflist"
+	// AdminToken is a bearer token of system:masters on the node's API server.
+	AdminToken  = "node-admin-token"
 	kubeletTok  = "node-kubelet-token"
 	apiPort     = 6443
 	etcdPort    = 2379
@@ -186,16 +187,16 @@ func (n *Node) writePKI() {
 	n.write("pki/apiserver.key", pemOf("RSA PRIVATE KEY", x509.MarshalPKCS1PrivateKey(key)))
 	n.write("pki/sa.key", pemOf("RSA PRIVATE KEY", x509.MarshalPKCS1PrivateKey(saKey)))
 	n.write("pki/sa.pub", pemOf("PUBLIC KEY", saPub))
-	n.write("pki/tokens.csv", adminToken+",admin,admin-uid,system:masters\n"+
+	n.write("pki/tokens.csv", AdminToken+",admin,admin-uid,system:masters\n"+
 		kubeletTok+",system:node:"+NodeName+",kubelet-uid,system:nodes\n")
 	kubeconfig := func(token string) string {
 		return fmt.Sprintf("apiVersion: v1\nkind: Config\nclusters:\n- name: node\n  cluster:\n    server: https://%s:%d\n    certificate-authority: %s\n"+
 			"users:\n- name: u\n  user:\n    token: %s\ncontexts:\n- name: c\n  context: {cluster: node, user: u}\ncurrent-context: c\n",
 			NodeIP, apiPort, filepath.Join(n.Dir, "pki/ca.crt"), token)
 	}
-	n.write("admin.kubeconfig", kubeconfig(adminToken))
+	n.write("admin.kubeconfig", kubeconfig(AdminToken))
 	n.write("kubelet.kubeconfig", kubeconfig(kubeletTok))
-	n.Config = &rest.Config{Host: fmt.Sprintf("https://%s:%d", NodeIP, apiPort), BearerToken: adminToken,
+	n.Config = &rest.Config{Host: fmt.Sprintf("https://%s:%d", NodeIP, apiPort), BearerToken: AdminToken,
 		TLSClientConfig: rest.TLSClientConfig{CAData: []byte(pemOf("CERTIFICATE", caDER))}, QPS: 50, Burst: 100,
 		Dial: n.DialContext}
 	n.Client = kubernetes.NewForConfigOrDie(n.Config)
