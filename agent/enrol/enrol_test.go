@@ -4,10 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -170,10 +172,12 @@ func (p *fakeProbes) holds(uid string) bool {
 type fakeAnnotator struct {
 	l     *trail
 	store *podsource.Store
-	fails int // the next calls that fail (the API server unreachable)
+	fails int           // the next calls that fail (the API server unreachable)
+	delay time.Duration // each call's round trip
 }
 
 func (a *fakeAnnotator) SetRedirection(ctx context.Context, namespace, name, state string) error {
+	time.Sleep(a.delay)
 	if a.fails > 0 {
 		a.fails--
 		a.l.add("annotate %s/%s=%q failed", namespace, name, state)
@@ -421,6 +425,32 @@ func TestAddEnrolsAmbientPodInOrder(t *testing.T) {
 	}
 	if got := r.recorded(); got["mesh/a"] != wire.ModeAmbient {
 		t.Errorf("records %v", got)
+	}
+}
+
+// The "pod enrolled" line tells what the ADD waited on the agent for
+// (ready_ms) apart from the annotation's PATCH, which it does not wait
+// for (in done_ms only).
+func TestEnrolledLogSplitsTheWaitFromTheAnnotation(t *testing.T) {
+	r := newRig(t)
+	r.namespace("mesh", true)
+	var out strings.Builder
+	r.e.log = slog.New(slog.NewTextHandler(&out, nil))
+	const patch = 200 * time.Millisecond
+	r.annotator.delay = patch
+	if err := r.addA(&fakePlugin{l: r.l}); err != nil {
+		t.Fatal(err)
+	}
+	field := func(name string) float64 {
+		_, v, ok := strings.Cut(out.String(), " "+name+"=")
+		f, err := strconv.ParseFloat(strings.Fields(v + " ")[0], 64)
+		if !ok || err != nil {
+			t.Fatalf("no %s in the log: %s", name, out.String())
+		}
+		return f
+	}
+	if ready, done := field("ready_ms"), field("done_ms"); ready >= float64(patch.Milliseconds()) || done < float64(patch.Milliseconds()) || ready > done {
+		t.Errorf("ready_ms=%v done_ms=%v with a %v PATCH: want ready_ms without it, done_ms with it", ready, done, patch)
 	}
 }
 

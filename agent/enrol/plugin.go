@@ -131,6 +131,7 @@ func (e *Enroller) Add(ctx context.Context, wp *wire.Pod, netns *os.File, plugin
 	defer p.mu.Unlock()
 	var t *wire.Timings
 	start := time.Now()
+	var answered time.Duration // when the plugin was told it may answer the runtime
 	decide := func(context.Context) error { return plugin.Decide(d.Verdict(), batch) }
 	if batch.Size() > wire.MaxMessage-decisionRoom {
 		// Too large for one message (a sidecar excluding thousands of
@@ -147,13 +148,16 @@ func (e *Enroller) Add(ctx context.Context, wp *wire.Pod, netns *os.File, plugin
 	}
 	err = e.step(ctx, p, change{ev: evEnrol, d: d, how: how{
 		start: decide,
-		ready: plugin.Ready,
+		ready: func(err error) { answered = time.Since(start); plugin.Ready(err) },
 		rules: func(context.Context) (err error) { t, err = plugin.Outcome(); return err }}})
 	if err != nil {
 		return err
 	}
+	// ready_ms is what the ADD waited on the agent (ztunnel's ack, the
+	// probe set, the record); done_ms adds the rules' outcome and the
+	// annotation's PATCH, which nothing in the ADD waits for.
 	args := []any{"pod", wp.Key(), "mode", d.Mode, "uid", p.id.UID, "containerID", wp.ContainerID, "reason", d.Reason,
-		"agent_ms", ms(time.Since(start))}
+		"ready_ms", ms(answered), "done_ms", ms(time.Since(start))}
 	if t != nil {
 		args = append(args, "plugin_decided_ms", t.Decided, "plugin_programmed_ms", t.Programmed)
 	}
