@@ -322,11 +322,21 @@ func rotate(s []string, r int) {
 // its creation to its container running, then deletes them and waits
 // until they are gone.
 func burst(b *testing.B, n *nodetest.Node, ns, prefix string, size int, o burstOptions) []time.Duration {
+	starts, _ := createPods(b, n, ns, prefix, size, o)
+	deletePods(b, n, ns)
+	return starts
+}
+
+// createPods creates size pods at once and returns, for each, the time
+// from its creation to its container running, and their container IDs by
+// name.
+func createPods(b *testing.B, n *nodetest.Node, ns, prefix string, size int, o burstOptions) ([]time.Duration, map[string]string) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	var mu sync.Mutex
 	created := map[string]time.Time{}
 	running := map[string]time.Time{}
+	ids := map[string]string{}
 	patched := map[string]bool{}
 	annotated := map[string]bool{}
 	// seen notes a pod's container running, and says whether all are
@@ -348,50 +358,11 @@ func burst(b *testing.B, n *nodetest.Node, ns, prefix string, size int, o burstO
 		}
 		if _, ok := running[p.Name]; !ok && len(p.Status.ContainerStatuses) == 1 && p.Status.ContainerStatuses[0].State.Running != nil {
 			running[p.Name] = time.Now()
+			ids[p.Name] = p.Status.ContainerStatuses[0].ContainerID
 		}
 		return len(running) == size && (!o.enrolled || len(annotated) == size)
 	}
-	// The API server ends a watch when it likes: list, then watch from
-	// the list's version, until every pod has been seen running.
-	list, err := n.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
-	if err != nil {
-		b.Fatal(err)
-	}
-	w, err := n.Client.CoreV1().Pods(ns).Watch(ctx, metav1.ListOptions{ResourceVersion: list.ResourceVersion})
-	if err != nil {
-		b.Fatal(err)
-	}
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		for {
-			for ev := range w.ResultChan() {
-				if p, ok := ev.Object.(*corev1.Pod); ok && ev.Type != watch.Deleted && seen(p) {
-					w.Stop()
-					return
-				}
-			}
-			if ctx.Err() != nil {
-				return
-			}
-			list, err := n.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
-			if err != nil {
-				time.Sleep(100 * time.Millisecond)
-				continue
-			}
-			all := false
-			for i := range list.Items {
-				all = seen(&list.Items[i])
-			}
-			if all {
-				return
-			}
-			if w, err = n.Client.CoreV1().Pods(ns).Watch(ctx, metav1.ListOptions{ResourceVersion: list.ResourceVersion}); err != nil {
-				w = watch.NewEmptyWatch()
-				time.Sleep(100 * time.Millisecond)
-			}
-		}
-	}()
+	done := watchPods(ctx, n, ns, seen)
 	var wg sync.WaitGroup
 	for i := range size {
 		name := fmt.Sprintf("%s-%d", prefix, i)
@@ -428,14 +399,60 @@ func burst(b *testing.B, n *nodetest.Node, ns, prefix string, size int, o burstO
 	for name, at := range running {
 		starts = append(starts, at.Sub(created[name]))
 	}
+	return starts, ids
+}
+
+// watchPods calls seen with every version of every pod of ns it sees,
+// until seen says all is seen (the returned channel is then closed) or
+// ctx ends. The API server ends a watch when it likes: list, then watch
+// from the list's version, again.
+func watchPods(ctx context.Context, n *nodetest.Node, ns string, seen func(*corev1.Pod) bool) <-chan struct{} {
+	done := make(chan struct{})
+	go func() {
+		w := watch.Interface(watch.NewEmptyWatch())
+		for {
+			for ev := range w.ResultChan() {
+				if p, ok := ev.Object.(*corev1.Pod); ok && ev.Type != watch.Deleted && seen(p) {
+					w.Stop()
+					close(done)
+					return
+				}
+			}
+			if ctx.Err() != nil {
+				return
+			}
+			list, err := n.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
+			if err != nil {
+				time.Sleep(100 * time.Millisecond) // the API server restarting
+				continue
+			}
+			all := false
+			for i := range list.Items {
+				all = seen(&list.Items[i])
+			}
+			if all {
+				close(done)
+				return
+			}
+			if w, err = n.Client.CoreV1().Pods(ns).Watch(ctx, metav1.ListOptions{ResourceVersion: list.ResourceVersion}); err != nil {
+				w = watch.NewEmptyWatch()
+				time.Sleep(100 * time.Millisecond)
+			}
+		}
+	}()
+	return done
+}
+
+// deletePods deletes every pod of ns and waits until they are gone.
+func deletePods(b *testing.B, n *nodetest.Node, ns string) {
+	ctx := context.Background()
 	if err := n.Client.CoreV1().Pods(ns).DeleteCollection(ctx, metav1.DeleteOptions{GracePeriodSeconds: ptr(int64(0))}, metav1.ListOptions{}); err != nil {
 		b.Fatal(err)
 	}
-	n.WaitFor("the burst's pods gone", 5*time.Minute, func() bool {
+	n.WaitFor("the pods of "+ns+" gone", 5*time.Minute, func() bool {
 		l, err := n.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
 		return err == nil && len(l.Items) == 0
 	})
-	return starts
 }
 
 // helmUninstall removes the chart and waits for the agent's pod to go.

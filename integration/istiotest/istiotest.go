@@ -190,6 +190,12 @@ func Start(t testing.TB, o Options) *Agent {
 	var once sync.Once
 	a.stop = func() {
 		once.Do(func() {
+			defer log.Close()
+			select {
+			case <-exited: // killed with its node: its pid may be another's now
+				return
+			default:
+			}
 			// nsenter forks into a pid namespace and passes no signal on:
 			// signal the agent itself.
 			pid := agentPID(cmd.Process.Pid)
@@ -201,7 +207,6 @@ func Start(t testing.TB, o Options) *Agent {
 				_ = cmd.Process.Kill()
 				<-exited
 			}
-			log.Close()
 		})
 	}
 	t.Cleanup(a.stop)

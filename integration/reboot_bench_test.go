@@ -1,0 +1,159 @@
+package integration
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/nftcni/nftcni/integration/istiotest"
+	"github.com/nftcni/nftcni/integration/nodetest"
+)
+
+// BenchmarkNodeReboot: a node running N pods of an ambient namespace
+// reboots (every process of the node killed at once; containerd's state
+// and the pods' netns on the node's /run are gone, its disk stays), and
+// the kubelet starts every pod again. Timed per pod from the moment the
+// node went down to its new container running, on the bare node, with
+// nftcni (its agent a DaemonSet pod the kubelet restarts too) and with
+// Istio's CNI (its agent started again as soon as the node's services are
+// up), rotating per round. For the enrolled variants every pod must then
+// be captured: its outbound connection to an address where nothing
+// listens lands on the ztunnel stand-in. Reported per variant: p50, p90
+// and p99 in ms over every pod of every round, and the p99 ratios with
+// their bootstrap interval over rounds.
+func BenchmarkNodeReboot(b *testing.B) {
+	const size = 100
+	gen := containerd2(b)
+	n := nodetest.Start(b, gen)
+	imageValues := importImages(b, n)
+	deployZtunnel(b, n)
+	waitDaemonSetPodReady(b, n, "istio-system", "app=ztunnel")
+	mkNamespace(b, n, "reboot", map[string]string{"istio.io/dataplane-mode": "ambient"})
+	pods := map[string][]time.Duration{} // variant -> every pod's time to running again
+	p99s := map[string][]time.Duration{} // variant -> each round's p99
+	for round := 0; round < b.N; round++ {
+		order := slices.Clone(rebootVariants)
+		rotate(order, round)
+		for _, v := range order {
+			var istioAgent *istiotest.Agent
+			switch v {
+			case "nftcni":
+				helmInstall(b, n, imageValues, "chained")
+			case "istio-cni":
+				istioAgent = startIstioCNI(b, n)
+			}
+			enrolled := v != "bare"
+			_, ids := createPods(b, n, "reboot", fmt.Sprintf("r%d", round), size, burstOptions{enrolled: enrolled})
+			down := time.Now()
+			n.Reboot(nil)
+			if v == "istio-cni" {
+				istioAgent.Stop() // gone with the node
+				istioAgent = startIstioCNI(b, n)
+			}
+			back := restarted(b, n, "reboot", ids, down)
+			if enrolled {
+				requireCaptured(b, n, "reboot")
+			}
+			pods[v] = append(pods[v], back...)
+			p99s[v] = append(p99s[v], quantile(back, 0.99))
+			deletePods(b, n, "reboot")
+			switch v {
+			case "nftcni":
+				helmUninstall(b, n)
+			case "istio-cni":
+				stopIstioCNI(b, n, istioAgent)
+			}
+		}
+	}
+	for _, v := range rebootVariants {
+		b.ReportMetric(ms(quantile(pods[v], 0.5)), v+"-ms-p50")
+		b.ReportMetric(ms(quantile(pods[v], 0.9)), v+"-ms-p90")
+		b.ReportMetric(ms(quantile(pods[v], 0.99)), v+"-ms-p99")
+	}
+	for _, v := range []string{"nftcni", "istio-cni"} {
+		r, lo, hi := addedRatio(p99s, v, "bare", "")
+		b.ReportMetric(r, "p99-"+v+"/bare")
+		b.Logf("reboot with %d pods, %d rounds: p99 %s/bare %.3fx (90%% of round resamples %.3f–%.3fx)", size, b.N, v, r, lo, hi)
+	}
+}
+
+var rebootVariants = []string{"bare", "nftcni", "istio-cni"}
+
+// restarted waits until every pod of ids (name -> its container before the
+// reboot) runs a new container, and returns each one's time from down.
+func restarted(b *testing.B, n *nodetest.Node, ns string, ids map[string]string, down time.Time) []time.Duration {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var mu sync.Mutex
+	back := map[string]time.Duration{}
+	done := watchPods(ctx, n, ns, func(p *corev1.Pod) bool {
+		mu.Lock()
+		defer mu.Unlock()
+		if old, ok := ids[p.Name]; ok && len(p.Status.ContainerStatuses) == 1 {
+			if c := p.Status.ContainerStatuses[0]; c.State.Running != nil && c.ContainerID != old {
+				if _, seen := back[p.Name]; !seen {
+					back[p.Name] = time.Since(down)
+				}
+			}
+		}
+		return len(back) == len(ids)
+	})
+	select {
+	case <-done:
+	case <-time.After(10 * time.Minute):
+		mu.Lock()
+		defer mu.Unlock()
+		b.Fatalf("10 minutes after the reboot %d of %d pods run again", len(back), len(ids))
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	var out []time.Duration
+	for _, d := range back {
+		out = append(out, d)
+	}
+	return out
+}
+
+// requireCaptured fails unless every pod of ns is captured: nodeapp in it
+// dials the bridge's address, where nothing listens, and only the ztunnel
+// stand-in's outbound listener can answer.
+func requireCaptured(b *testing.B, n *nodetest.Node, ns string) {
+	l, err := n.Client.CoreV1().Pods(ns).List(context.Background(), metav1.ListOptions{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	var missed []string
+	for _, p := range l.Items {
+		got := ""
+		for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
+			if got = dialFrom(n, p.Status.PodIP, "10.88.0.1:9"); strings.HasPrefix(got, "ztunnel:15001") {
+				break
+			}
+		}
+		if !strings.HasPrefix(got, "ztunnel:15001") {
+			missed = append(missed, fmt.Sprintf("%s (%q)", p.Name, got))
+		}
+	}
+	if len(missed) > 0 {
+		b.Fatalf("%d of %d pods not captured after the reboot: %v", len(missed), len(l.Items), missed)
+	}
+}
+
+// dialFrom is nodeapp's answer at podIP to /dial?addr=addr, or the error.
+func dialFrom(n *nodetest.Node, podIP, addr string) string {
+	resp, err := n.HTTP().Get("http://" + podIP + ":8080/dial?addr=" + addr)
+	if err != nil {
+		return err.Error()
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	return string(body)
+}
