@@ -24,9 +24,12 @@ go test -run '^$' -bench 'RunPodSandbox' -benchtime 150x -count=1 -timeout 30m .
 go test -run '^$' -bench 'AgentRestart500' -benchtime 3x -count=1 -timeout 30m ./integration | tee -a "$out"
 # The live handover from Istio's own agent: 20 pods per backend, 500 pods.
 go test -run '^$' -bench 'IstioHandover' -benchtime 1x -count=1 -timeout 30m ./integration | tee -a "$out"
-# Bursts of 50 and 100 pods on a real node (kubelet, containerd 2.x), the
-# bare node against nftcni, three rounds each, alternating (about 20 minutes).
-go test -run '^$' -bench 'NodeBurst' -benchtime 3x -count=1 -timeout 60m ./integration | tee -a "$out"
+# Bursts of 50 and 100 pods on a real node (kubelet, containerd 2.x): the
+# bare node, the bare node annotating each pod, nftcni and Istio's CNI,
+# three rounds each, rotating (about 40 minutes); then the node rebooting
+# with 100 pods, bare, nftcni and Istio's CNI, three rounds (about 30).
+go test -run '^$' -bench 'NodeBurst' -benchtime 3x -count=1 -timeout 90m ./integration | tee -a "$out"
+go test -run '^$' -bench 'NodeReboot' -benchtime 3x -count=1 -timeout 90m ./integration | tee -a "$out"
 
 ns() { awk -v n="$1" '$1 ~ n {for (i=1;i<=NF;i++) if ($(i+1)=="ns/op") {print $i; exit}}' "$out"; }
 ratio() { # name-of-comparison name-of-ours
@@ -85,8 +88,8 @@ if [ -n "$(m BenchmarkCNIAdd primary-ms-median)" ]; then
 	echo "   exec alone:"
 	vs BenchmarkCNIAdd "nftcni VERSION / static Go hello-world" nftcni-version-exec-ms-median hello-exec-ms-median
 	vs BenchmarkCNIAdd "tuning VERSION / static Go hello-world" tuning-version-exec-ms-median hello-exec-ms-median
-	printf "    %-52s agent %s ms; plugin: decision at %s ms, rules in at %s ms from its start\n" "inside nftcni, enrolled (medians):" \
-		"$(m BenchmarkCNIAdd enrolled-agent-ms-median)" "$(m BenchmarkCNIAdd enrolled-plugin-decided-ms-median)" "$(m BenchmarkCNIAdd enrolled-plugin-programmed-ms-median)"
+	printf "    %-52s agent %s ms (%s ms to the annotation); plugin: decision at %s ms, rules in at %s ms from its start\n" "inside nftcni, enrolled (medians):" \
+		"$(m BenchmarkCNIAdd enrolled-ready-ms-median)" "$(m BenchmarkCNIAdd enrolled-done-ms-median)" "$(m BenchmarkCNIAdd enrolled-plugin-decided-ms-median)" "$(m BenchmarkCNIAdd enrolled-plugin-programmed-ms-median)"
 	echo "   whole ADD (ms, median / p90):"
 	for v in primary tuning null ask excluded plain enrolled; do
 		printf "    %-52s %7.3f / %7.3f\n" "$v" "$(m BenchmarkCNIAdd $v-ms-median)" "$(m BenchmarkCNIAdd $v-ms-p90)"
@@ -145,8 +148,8 @@ for gen in containerd-1.6 containerd-2; do
 				"$(cm $v-vs-tuning-exec-x)" "$(cm $v-vs-tuning-exec-x-p5)" "$(cm $v-vs-tuning-exec-x-p95)"
 		done
 	fi
-	printf "    %-34s agent %s ms; plugin: decision at %s ms, rules in at %s ms from its start\n" "inside nftcni, enrolled (medians)" \
-		"$(cm enrolled-agent-ms-median)" "$(cm enrolled-plugin-decided-ms-median)" "$(cm enrolled-plugin-programmed-ms-median)"
+	printf "    %-34s agent %s ms (%s ms to the annotation); plugin: decision at %s ms, rules in at %s ms from its start\n" "inside nftcni, enrolled (medians)" \
+		"$(cm enrolled-ready-ms-median)" "$(cm enrolled-done-ms-median)" "$(cm enrolled-plugin-decided-ms-median)" "$(cm enrolled-plugin-programmed-ms-median)"
 	if [ -n "$(cm enrolled-stop-ms-median)" ]; then
 		printf "    %-34s %6.2f / %6.2f / %6.2f / %6.2f\n" "StopPodSandbox (the CNI DEL), ms" \
 			"$(cm primary-stop-ms-median)" "$(cm tuning-stop-ms-median)" "$(cm plain-stop-ms-median)" "$(cm enrolled-stop-ms-median)"
@@ -162,8 +165,18 @@ for size in 50 100; do
 	bm() { m "BenchmarkNodeBurst/$size" "$1"; }
 	[ -n "$(bm p99-nftcni/bare)" ] || continue
 	printf "  burst of %3s pods on a real node, creation to running, ms:  p50 / p90 / p99 (kubelet SLI p50 / p99, bucket bounds)\n" "$size"
-	for v in bare nftcni; do
-		printf "    %-8s %8s / %8s / %8s   (%s / %s)\n" "$v" "$(bm $v-ms-p50)" "$(bm $v-ms-p90)" "$(bm $v-ms-p99)" "$(bm $v-sli-ms-p50)" "$(bm $v-sli-ms-p99)"
+	for v in bare bare+annotation nftcni istio-cni; do
+		printf "    %-16s %8s / %8s / %8s   (%s / %s)\n" "$v" "$(bm $v-ms-p50)" "$(bm $v-ms-p90)" "$(bm $v-ms-p99)" "$(bm $v-sli-ms-p50)" "$(bm $v-sli-ms-p99)"
 	done
 	printf "    p99 nftcni / bare: %sx (median over rounds; 90%% of round resamples %s-%sx)\n" "$(bm p99-nftcni/bare)" "$(bm p99-nftcni/bare-p5)" "$(bm p99-nftcni/bare-p95)"
+	printf "    p99 istio-cni / bare: %sx (%s-%sx)\n" "$(bm p99-istio/bare)" "$(bm p99-istio/bare-p5)" "$(bm p99-istio/bare-p95)"
+	printf "    what nftcni adds to the bare p99 over what Istio's CNI adds: %s\n" "$(bm p99-added-nftcni/istio)"
 done
+rb() { m BenchmarkNodeReboot "$1"; }
+if [ -n "$(rb p99-nftcni/bare)" ]; then
+	echo "  node reboot with 100 pods, node down to each pod running again, ms: p50 / p90 / p99"
+	for v in bare nftcni istio-cni; do
+		printf "    %-10s %8s / %8s / %8s\n" "$v" "$(rb $v-ms-p50)" "$(rb $v-ms-p90)" "$(rb $v-ms-p99)"
+	done
+	printf "    p99 nftcni / bare: %sx; istio-cni / bare: %sx (medians over rounds)\n" "$(rb p99-nftcni/bare)" "$(rb p99-istio-cni/bare)"
+fi

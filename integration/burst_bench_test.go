@@ -279,7 +279,7 @@ func startIstioCNI(b *testing.B, n *nodetest.Node) *istiotest.Agent {
 	a := istiotest.Start(b, istiotest.Options{HostNetns: "/proc/1/ns/net", ConfDir: n.ConfDir, BinDir: n.BinDir,
 		APIHost: fmt.Sprintf("%s:6443", nodetest.NodeIP), Token: nodetest.AdminToken, NodeName: nodetest.NodeName,
 		Nftables: true, Command: n.Command, Root: n.Path(""), ZtunnelSocket: "/run/ztunnel/ztunnel.sock"})
-	n.WaitFor("the ztunnel stand-in connected to Istio's agent", 60*time.Second, func() bool {
+	n.WaitFor("the ztunnel stand-in connected to Istio's agent", 3*time.Minute, func() bool {
 		return strings.Contains(a.Log(), "new ztunnel connected")
 	})
 	return a

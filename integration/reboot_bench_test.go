@@ -131,12 +131,11 @@ func requireCaptured(b *testing.B, n *nodetest.Node, ns string) {
 		b.Fatal(err)
 	}
 	var missed []string
+	deadline := time.Now().Add(time.Minute) // for all: a pod's app may not listen yet
 	for _, p := range l.Items {
-		got := ""
-		for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
-			if got = dialFrom(n, p.Status.PodIP, "10.88.0.1:9"); strings.HasPrefix(got, "ztunnel:15001") {
-				break
-			}
+		got := dialFrom(n, p.Status.PodIP, "10.88.0.1:9")
+		for ; !strings.HasPrefix(got, "ztunnel:15001") && time.Now().Before(deadline); got = dialFrom(n, p.Status.PodIP, "10.88.0.1:9") {
+			time.Sleep(200 * time.Millisecond)
 		}
 		if !strings.HasPrefix(got, "ztunnel:15001") {
 			missed = append(missed, fmt.Sprintf("%s (%q)", p.Name, got))
