@@ -164,9 +164,9 @@ done
 for size in 50 100; do
 	bm() { m "BenchmarkNodeBurst/$size" "$1"; }
 	[ -n "$(bm p99-nftcni/bare)" ] || continue
-	printf "  burst of %3s pods on a real node, creation to running, ms:  p50 / p90 / p99 (kubelet SLI p50 / p99, bucket bounds)\n" "$size"
+	printf "  burst of %3s pods on a real node, creation to running, ms:  p50 / p90 / p99 (kubelet SLI p50 / p99, bucket bounds; sandboxes failed and retried)\n" "$size"
 	for v in bare bare+annotation nftcni istio-cni; do
-		printf "    %-16s %8s / %8s / %8s   (%s / %s)\n" "$v" "$(bm $v-ms-p50)" "$(bm $v-ms-p90)" "$(bm $v-ms-p99)" "$(bm $v-sli-ms-p50)" "$(bm $v-sli-ms-p99)"
+		printf "    %-16s %8s / %8s / %8s   (%s / %s; %s)\n" "$v" "$(bm $v-ms-p50)" "$(bm $v-ms-p90)" "$(bm $v-ms-p99)" "$(bm $v-sli-ms-p50)" "$(bm $v-sli-ms-p99)" "$(bm $v-failed-sandboxes)"
 	done
 	printf "    p99 nftcni / bare: %sx (median over rounds; 90%% of round resamples %s-%sx)\n" "$(bm p99-nftcni/bare)" "$(bm p99-nftcni/bare-p5)" "$(bm p99-nftcni/bare-p95)"
 	printf "    p99 istio-cni / bare: %sx (%s-%sx)\n" "$(bm p99-istio/bare)" "$(bm p99-istio/bare-p5)" "$(bm p99-istio/bare-p95)"
@@ -174,9 +174,9 @@ for size in 50 100; do
 done
 rb() { m BenchmarkNodeReboot "$1"; }
 if [ -n "$(rb p99-nftcni/bare)" ]; then
-	echo "  node reboot with 100 pods, node down to each pod running again, ms: p50 / p90 / p99"
+	echo "  node reboot with 100 pods, node down to each pod running again, ms: p50 / p90 / p99 (sandboxes failed and retried)"
 	for v in bare nftcni istio-cni; do
-		printf "    %-10s %8s / %8s / %8s\n" "$v" "$(rb $v-ms-p50)" "$(rb $v-ms-p90)" "$(rb $v-ms-p99)"
+		printf "    %-10s %8s / %8s / %8s   (%s)\n" "$v" "$(rb $v-ms-p50)" "$(rb $v-ms-p90)" "$(rb $v-ms-p99)" "$(rb $v-failed-sandboxes)"
 	done
 	printf "    p99 nftcni / bare: %sx; istio-cni / bare: %sx (medians over rounds)\n" "$(rb p99-nftcni/bare)" "$(rb p99-istio-cni/bare)"
 fi

@@ -38,8 +38,9 @@ import (
 // (-benchtime Nx: N rounds of each). Reported per variant: p50, p90 and
 // p99 in ms over every pod of every round, the kubelet's own
 // kubelet_pod_start_sli_duration_seconds (its histogram's quantiles,
-// bucket bounds), and nftcni's p99 over the bare node's, the median over
-// rounds with its bootstrap interval. Where nftcni's share goes, per
+// bucket bounds), the sandboxes the kubelet failed to create (a CNI ADD
+// failed or timed out, retried with back-off), and nftcni's p99 over the
+// bare node's, the median over rounds with its bootstrap interval. Where nftcni's share goes, per
 // enrolled pod: the agent's CPU time over the burst (its
 // process_cpu_seconds_total), the agent's time on each ADD (its log's
 // ready_ms, what the ADD waits for; done_ms, to the annotation), the plugin's own clock
@@ -62,6 +63,7 @@ func BenchmarkNodeBurst(b *testing.B) {
 			pods := map[string][]time.Duration{}    // variant -> every pod's start
 			p99s := map[string][]time.Duration{}    // variant -> each round's p99
 			sli := map[string]map[float64]float64{} // variant -> histogram bucket deltas
+			failed := map[string]int{}              // variant -> sandboxes the kubelet failed to create
 			var share burstShare
 			for round := 0; round < b.N; round++ {
 				order := slices.Clone(burstVariants)
@@ -74,7 +76,7 @@ func BenchmarkNodeBurst(b *testing.B) {
 					case "istio-cni":
 						istioAgent = startIstioCNI(b, n)
 					}
-					before := kubelet(b)
+					before, logAt := kubelet(b), kubeletLogSize(n)
 					var m0 string
 					if v == "nftcni" {
 						m0 = agentMetrics(b, n)
@@ -83,6 +85,7 @@ func BenchmarkNodeBurst(b *testing.B) {
 					starts := burst(b, n, "burst", prefix, size, burstOptions{
 						patch: v == "bare+annotation", enrolled: v == "nftcni" || v == "istio-cni"})
 					sli[v] = addBuckets(sli[v], subBuckets(kubelet(b), before))
+					failed[v] += failedSandboxes(b, n, logAt)
 					pods[v] = append(pods[v], starts...)
 					p99s[v] = append(p99s[v], quantile(starts, 0.99))
 					switch v {
@@ -102,6 +105,7 @@ func BenchmarkNodeBurst(b *testing.B) {
 				b.ReportMetric(ms(quantile(pods[v], 0.99)), v+"-ms-p99")
 				b.ReportMetric(bucketQuantile(sli[v], 0.5)*1e3, v+"-sli-ms-p50")
 				b.ReportMetric(bucketQuantile(sli[v], 0.99)*1e3, v+"-sli-ms-p99")
+				b.ReportMetric(float64(failed[v]), v+"-failed-sandboxes")
 			}
 			share.report(b)
 			r, lo, hi := addedRatio(p99s, "nftcni", "bare", "")
@@ -228,6 +232,34 @@ func agentMetrics(b *testing.B, n *nodetest.Node) string {
 		b.Fatal(err)
 	}
 	return string(text)
+}
+
+// kubeletLogSize is where the node's kubelet log ends now.
+func kubeletLogSize(n *nodetest.Node) int64 {
+	fi, err := os.Stat(filepath.Join(n.Dir, "logs", "kubelet.log"))
+	if err != nil {
+		return 0
+	}
+	return fi.Size()
+}
+
+// failedSandboxes counts the sandboxes the kubelet failed to create (a CNI
+// ADD that failed or timed out, retried with back-off) in its log since
+// offset.
+func failedSandboxes(b *testing.B, n *nodetest.Node, offset int64) int {
+	f, err := os.Open(filepath.Join(n.Dir, "logs", "kubelet.log"))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := f.Seek(offset, io.SeekStart); err != nil {
+		b.Fatal(err)
+	}
+	text, err := io.ReadAll(f)
+	if err != nil {
+		b.Fatal(err)
+	}
+	return strings.Count(string(text), `"CreatePodSandbox for pod failed"`)
 }
 
 // gauge is the value of an unlabelled metric in a /metrics text.

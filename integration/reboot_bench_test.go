@@ -27,8 +27,9 @@ import (
 // up), rotating per round. For the enrolled variants every pod must then
 // be captured: its outbound connection to an address where nothing
 // listens lands on the ztunnel stand-in. Reported per variant: p50, p90
-// and p99 in ms over every pod of every round, and the p99 ratios with
-// their bootstrap interval over rounds.
+// and p99 in ms over every pod of every round, the sandboxes the kubelet
+// failed to create (and retried) meanwhile, and the p99 ratios with their
+// bootstrap interval over rounds.
 func BenchmarkNodeReboot(b *testing.B) {
 	const size = 100
 	gen := containerd2(b)
@@ -39,6 +40,7 @@ func BenchmarkNodeReboot(b *testing.B) {
 	mkNamespace(b, n, "reboot", map[string]string{"istio.io/dataplane-mode": "ambient"})
 	pods := map[string][]time.Duration{} // variant -> every pod's time to running again
 	p99s := map[string][]time.Duration{} // variant -> each round's p99
+	failed := map[string]int{}           // variant -> sandboxes the kubelet failed to create
 	for round := 0; round < b.N; round++ {
 		order := slices.Clone(rebootVariants)
 		rotate(order, round)
@@ -52,13 +54,14 @@ func BenchmarkNodeReboot(b *testing.B) {
 			}
 			enrolled := v != "bare"
 			_, ids := createPods(b, n, "reboot", fmt.Sprintf("r%d", round), size, burstOptions{enrolled: enrolled})
-			down := time.Now()
+			down, logAt := time.Now(), kubeletLogSize(n)
 			n.Reboot(nil)
 			if v == "istio-cni" {
 				istioAgent.Stop() // gone with the node
 				istioAgent = startIstioCNI(b, n)
 			}
 			back := restarted(b, n, "reboot", ids, down)
+			failed[v] += failedSandboxes(b, n, logAt)
 			if enrolled {
 				requireCaptured(b, n, "reboot")
 			}
@@ -77,6 +80,7 @@ func BenchmarkNodeReboot(b *testing.B) {
 		b.ReportMetric(ms(quantile(pods[v], 0.5)), v+"-ms-p50")
 		b.ReportMetric(ms(quantile(pods[v], 0.9)), v+"-ms-p90")
 		b.ReportMetric(ms(quantile(pods[v], 0.99)), v+"-ms-p99")
+		b.ReportMetric(float64(failed[v]), v+"-failed-sandboxes")
 	}
 	for _, v := range []string{"nftcni", "istio-cni"} {
 		r, lo, hi := addedRatio(p99s, v, "bare", "")
