@@ -499,6 +499,10 @@ func (n *Node) Helm(args ...string) (string, error) {
 // boots it again: a fresh /run, the same disk, every service restarted.
 func (n *Node) Reboot(beforeServices func()) {
 	n.kill()
+	// A machine boots with no cgroup of its last boot: left, the kubelet's
+	// cAdvisor would ask containerd about every dead container's cgroup
+	// (seconds each) before it syncs a pod.
+	n.removeCgroups()
 	if beforeServices != nil {
 		beforeServices()
 	}
@@ -538,10 +542,20 @@ func (n *Node) cleanup() {
 	if left := cgroupProcs(n.cgroup); len(left) > 0 {
 		t.Errorf("processes left in the node's cgroups: %v", left)
 	}
+	n.removeCgroups()
+	if os.Getenv("NFTCNI_KEEP_NODE") == "" {
+		_ = os.RemoveAll(n.Dir)
+	} else {
+		t.Logf("node dir kept: %s", n.Dir)
+	}
+}
+
+// removeCgroups removes the node's cgroup tree, deepest first (its
+// processes are gone).
+func (n *Node) removeCgroups() {
 	for _, h := range cgroupHierarchies() {
-		root := filepath.Join(h, n.cgroup)
 		var dirs []string
-		_ = filepath.WalkDir(root, func(p string, d os.DirEntry, err error) error {
+		_ = filepath.WalkDir(filepath.Join(h, n.cgroup), func(p string, d os.DirEntry, err error) error {
 			if err == nil && d.IsDir() {
 				dirs = append(dirs, p)
 			}
@@ -550,11 +564,6 @@ func (n *Node) cleanup() {
 		for i := len(dirs) - 1; i >= 0; i-- {
 			_ = os.Remove(dirs[i])
 		}
-	}
-	if os.Getenv("NFTCNI_KEEP_NODE") == "" {
-		_ = os.RemoveAll(n.Dir)
-	} else {
-		t.Logf("node dir kept: %s", n.Dir)
 	}
 }
 
