@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"net"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -119,4 +120,73 @@ func TestAddWithTheAgentAwayFollowsTheSnapshot(t *testing.T) {
 	if err := b.p.Add(b.args("ADD", "plain/p"), &out); !errors.As(err, &cerr) || cerr.Code != ErrTryAgainLater {
 		t.Errorf("ADD without a snapshot or an agent: %v, want try-again-later", err)
 	}
+}
+
+// A pod that must wait for the agent waits in its ADD, up to AgentWait:
+// an agent back within it (after a reboot, an upgrade) starts the pod at
+// once, rather than at the runtime's next retry.
+func TestAddWaitsForTheAgent(t *testing.T) {
+	a := newAway(t, &wire.Policy{EnrolledNamespaces: []string{"mesh"}})
+	a.p.AgentWait = 5 * time.Second
+	const back = 600 * time.Millisecond
+	time.AfterFunc(back, func() { answeringAgent(t, a.run) })
+	var out bytes.Buffer
+	start := time.Now()
+	if err := a.p.Add(a.args("ADD", "mesh/p"), &out); err != nil || out.String() != prev+"\n" {
+		t.Fatalf("ADD with the agent back after %v: %v, result %q", back, err, out.String())
+	}
+	if took := time.Since(start); took < back || took > back+time.Second {
+		t.Errorf("the ADD took %v with the agent back after %v", took, back)
+	}
+
+	// An agent that does not come back: the ADD fails as before, after
+	// AgentWait, and says how long it waited.
+	b := newAway(t, &wire.Policy{EnrolledNamespaces: []string{"mesh"}})
+	b.p.AgentWait = time.Second
+	start = time.Now()
+	err := b.p.Add(b.args("ADD", "mesh/p"), &out)
+	var cerr *Error
+	if !errors.As(err, &cerr) || cerr.Code != ErrTryAgainLater || !strings.Contains(cerr.Details, "waited") {
+		t.Errorf("ADD with no agent: %v, want try-again-later saying it waited", err)
+	}
+	if took := time.Since(start); took < 700*time.Millisecond || took > 2*time.Second {
+		t.Errorf("the ADD gave up after %v, AgentWait 1 s", took)
+	}
+
+	// A pod the snapshot lets through does not wait.
+	start = time.Now()
+	out.Reset()
+	if err := b.p.Add(b.args("ADD", "plain/p"), &out); err != nil || time.Since(start) > 500*time.Millisecond {
+		t.Errorf("ADD outside the mesh with no agent: %v after %v", err, time.Since(start))
+	}
+}
+
+// answeringAgent serves the agent's socket, deciding every ADD "not
+// enrolled" (what the agent answers a pod it leaves out).
+func answeringAgent(t *testing.T, runDir string) {
+	l, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: filepath.Join(runDir, wire.SocketName), Net: "unixpacket"})
+	if err != nil {
+		t.Error(err)
+		return
+	}
+	t.Cleanup(func() { l.Close() })
+	go func() {
+		for {
+			uc, err := l.AcceptUnix()
+			if err != nil {
+				return
+			}
+			c, err := wire.NewConn(uc)
+			if err != nil {
+				return
+			}
+			if _, f, err := c.Recv(); err == nil {
+				if f != nil {
+					f.Close()
+				}
+				_ = c.Send(&wire.Message{Kind: wire.KindDecision, Decision: &wire.Verdict{Mode: wire.ModeNone, Reason: "test"}}, nil)
+			}
+			c.Close()
+		}
+	}()
 }

@@ -43,7 +43,22 @@ type Plugin struct {
 	Timeout time.Duration
 	// Kernel writes and removes pod rulesets (New: through netlink).
 	Kernel Kernel
+	// AgentWait is how long, from its start, an ADD of a pod that must
+	// wait for the agent (one to enrol, a sidecar pod, no snapshot) waits
+	// for the agent's socket to answer before it fails; 0: it fails at
+	// once.
+	AgentWait time.Duration
 }
+
+// agentPoll is how often an ADD waiting for the agent tries its socket.
+const agentPoll = 200 * time.Millisecond
+
+// DefaultAgentWait: after a reboot or an upgrade the agent is back within
+// seconds, and a pod whose ADD waits for it starts then, where a failed
+// ADD starts at the kubelet's next retry of the sandbox (10 s later, each
+// time). Bounded well inside the kubelet's 2 min runtime request timeout,
+// and the ADD fails as before when it runs out.
+const DefaultAgentWait = 30 * time.Second
 
 // Kernel is what the plugin asks of nf_tables in a pod's netns: the
 // agent's batch programmed, or (the agent away) the snapshot's removal.
@@ -58,7 +73,7 @@ type Kernel interface {
 
 // New returns a Plugin with the production timeouts, on the kernel.
 func New() *Plugin {
-	return &Plugin{DialTimeout: time.Second, Timeout: wire.PluginTimeout, Kernel: netlinkKernel{}}
+	return &Plugin{DialTimeout: time.Second, Timeout: wire.PluginTimeout, Kernel: netlinkKernel{}, AgentWait: DefaultAgentWait}
 }
 
 // call is one invocation: its config, its log buffer, its agent connection.
@@ -313,18 +328,37 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 
 	var r *wire.Message
 	var socks []int
-	if err = dialErr; err == nil {
+	add := func() error {
 		r, socks, err = c.ask(&wire.Message{Kind: wire.KindAdd, Pod: pod}, []int{netns}, wire.KindDecision)
-		defer wire.CloseAll(socks)
+		return err
 	}
-	if err != nil {
-		var refused *agentError
-		if errors.As(err, &refused) || errors.Is(err, wire.ErrTooLarge) {
-			// A refusal, or a failure of this side: never "the agent
-			// cannot be reached".
-			return fmt.Errorf("nftcni: pod %s: %w", pod.Key(), err)
+	if err = dialErr; err == nil {
+		err = add()
+	}
+	if err != nil && !refusal(err) {
+		// The agent cannot be reached: the failure policy says whether
+		// the pod may start without it; if not, the ADD waits for it.
+		down := c.agentDown(pod, err, stdout)
+		if down == nil {
+			return nil
 		}
-		return c.agentDown(pod, err, stdout)
+		if !c.awaitAgent() {
+			var e *Error
+			if errors.As(down, &e) && c.p.AgentWait > 0 {
+				e.Details = fmt.Sprintf("the ADD waited %.1f s for the agent", c.since()/1000)
+			}
+			return down
+		}
+		c.debug("the agent is back", "ms", c.since())
+		if err = add(); err != nil && !refusal(err) {
+			return c.agentDown(pod, err, stdout)
+		}
+	}
+	defer wire.CloseAll(socks)
+	if err != nil {
+		// A refusal, or a failure of this side: never "the agent cannot
+		// be reached".
+		return fmt.Errorf("nftcni: pod %s: %w", pod.Key(), err)
 	}
 	if r.Decision.Mode == wire.ModeNone {
 		c.debug("not enrolled", "reason", r.Decision.Reason, "ms", c.since())
@@ -415,6 +449,29 @@ func (c *call) wouldEnrol(pod *wire.Pod) (bool, string, error) {
 		why += fmt.Sprintf(" (policy snapshot of an earlier boot, written %s)", pol.Generated.Format(time.RFC3339))
 	}
 	return enrol, why, nil
+}
+
+// refusal: the agent answered with a refusal, or this side failed (a
+// message too large); not an agent that cannot be reached.
+func refusal(err error) bool {
+	var refused *agentError
+	return errors.As(err, &refused) || errors.Is(err, wire.ErrTooLarge)
+}
+
+// awaitAgent waits, until AgentWait after the call's start, for the
+// agent's socket to take a connection.
+func (c *call) awaitAgent() bool {
+	if c.agent != nil { // it went away mid-conversation
+		c.agent.Close()
+		c.agent = nil
+	}
+	for deadline := c.began.Add(c.p.AgentWait); time.Now().Add(agentPoll).Before(deadline); {
+		time.Sleep(agentPoll)
+		if c.dial() == nil {
+			return true
+		}
+	}
+	return false
 }
 
 // agentDown applies the failure policy when the agent could not be asked.
