@@ -1,6 +1,7 @@
 package integration
 
 import (
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -9,6 +10,10 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/nftcni/nftcni/templates"
+	"github.com/tidwall/gjson"
+	"github.com/tidwall/sjson"
 
 	"github.com/containernetworking/cni/libcni"
 
@@ -78,9 +83,32 @@ func (a *agentNode) start(t testing.TB, args ...string) (*exec.Cmd, *ztunneltest
 }
 
 // installed reads the conflist as the agent patched it.
+//
+// The tests that stop or kill the agent assert what an ADD does without
+// it, so the list they run has the entry's agent_wait_seconds at 0 (the
+// ADD fails at once); the wait itself has tests of its own
+// (TestCNIAgentBackWithinTheWait, and the node tests run the default).
 func (a *agentNode) installed(t testing.TB) *libcni.NetworkConfigList {
 	t.Helper()
-	l, err := libcni.ConfListFromFile(a.primary)
+	b, err := os.ReadFile(a.primary)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return withAgentWait(t, b, 0)
+}
+
+// withAgentWait is the conflist doc with our entry's agent_wait_seconds set.
+func withAgentWait(t testing.TB, doc []byte, seconds float64) *libcni.NetworkConfigList {
+	t.Helper()
+	for i, p := range gjson.GetBytes(doc, "plugins").Array() {
+		if p.Get("type").Str == templates.PluginType {
+			var err error
+			if doc, err = sjson.SetBytes(doc, fmt.Sprintf("plugins.%d.agent_wait_seconds", i), seconds); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	l, err := libcni.NetworkConfFromBytes(doc)
 	if err != nil {
 		t.Fatal(err)
 	}

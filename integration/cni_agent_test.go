@@ -505,3 +505,49 @@ func (n *cniNode) failedAddLeftNothing(t *testing.T, pod *testnet.NS, l *libcni.
 		t.Errorf("DEL after the failed ADD: %v", err)
 	}
 }
+
+// TestCNIAgentBackWithinTheWait: the agent is down (a reboot, an upgrade)
+// when a mesh pod's ADD runs; the ADD waits for it instead of failing, and
+// once the agent is back the pod is enrolled in that same ADD: captured,
+// in ztunnel's hands, with no failed sandbox for the runtime to retry.
+func TestCNIAgentBackWithinTheWait(t *testing.T) {
+	n := newCNINode(t, 61)
+	n.agentWait = 20
+	n.startAgent() // writes the policy snapshot
+	n.stopAgent()
+	full := n.list("bridge", "1.0.0", true, false)
+	pod := testnet.NewNS(t, "nftpod")
+	n.pod(meshNS, "late", nil)
+	rt := runtimeConf(pod, meshNS, "late", nil)
+	type result struct {
+		err  error
+		took time.Duration
+	}
+	done := make(chan result, 1)
+	start := time.Now()
+	go func() { _, err := n.add(full, rt); done <- result{err, time.Since(start)} }()
+	const down = 1500 * time.Millisecond
+	select {
+	case r := <-done:
+		t.Fatalf("the ADD ended while the agent was down: %v after %v", r.err, r.took)
+	case <-time.After(down):
+	}
+	n.startAgent()
+	r := <-done
+	if r.err != nil {
+		t.Fatalf("ADD with the agent back after %v: %v", down, r.err)
+	}
+	if r.took > down+5*time.Second {
+		t.Errorf("the ADD took %v with the agent back after %v", r.took, down)
+	}
+	if !hasTable(t, pod) {
+		t.Error("the pod has no ruleset after its ADD")
+	}
+	if n.ztunnel.Pod("uid-late") == nil {
+		t.Error("ztunnel does not hold the pod")
+	}
+	t.Logf("the ADD waited for the agent and enrolled the pod %v after it began (the agent was down for %v)", r.took.Round(time.Millisecond), down)
+	if err := n.del(full, rt); err != nil {
+		t.Errorf("DEL: %v", err)
+	}
+}

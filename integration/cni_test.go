@@ -109,6 +109,9 @@ type cniNode struct {
 	agent   *node.Node
 	reg     *prometheus.Registry
 	ztunnel *ztunneltest.Ztunnel
+	// agentWait is our entry's agent_wait_seconds: 0 (an ADD without the
+	// agent fails at once) unless a test sets it.
+	agentWait float64
 	// pluginLogLevel is our entry's plugin_log_level: debug for tests,
 	// the product's default (info) for benchmarks.
 	pluginLogLevel string
@@ -220,7 +223,7 @@ func (n *cniNode) pod(namespace, name string, ann map[string]string) *corev1.Pod
 // entry is our conflist entry as the installer renders it.
 func (n *cniNode) entry(statusRequiresAgent bool) []byte {
 	v := templates.Values{LogLevel: n.pluginLogLevel, AgentRunDir: n.run, ExcludeNamespaces: []string{"kube-system"},
-		PodNamespace: "nftcni-system", StatusRequiresAgent: statusRequiresAgent}
+		PodNamespace: "nftcni-system", StatusRequiresAgent: statusRequiresAgent, AgentWaitSeconds: &n.agentWait}
 	if n.state != "" {
 		v.PolicySnapshot = filepath.Join(n.state, wire.PolicyName)
 	}

@@ -153,6 +153,16 @@ func TestAddWaitsForTheAgent(t *testing.T) {
 		t.Errorf("the ADD gave up after %v, AgentWait 1 s", took)
 	}
 
+	// The entry's agent_wait_seconds overrides the plugin's wait.
+	c := newAway(t, &wire.Policy{EnrolledNamespaces: []string{"mesh"}})
+	c.p.AgentWait = 5 * time.Second
+	args := c.args("ADD", "mesh/p")
+	args.StdinData = bytes.Replace(args.StdinData, []byte(`"type":"nftcni",`), []byte(`"type":"nftcni","agent_wait_seconds":0.5,`), 1)
+	start = time.Now()
+	if err := c.p.Add(args, &out); err == nil || time.Since(start) > 2*time.Second {
+		t.Errorf("ADD with agent_wait_seconds 0.5 and no agent: %v after %v", err, time.Since(start))
+	}
+
 	// A pod the snapshot lets through does not wait.
 	start = time.Now()
 	out.Reset()

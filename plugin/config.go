@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/tidwall/gjson"
 
@@ -43,6 +44,10 @@ type Config struct {
 	ExcludeNamespaces   []string // exclude_namespaces
 	PodNamespace        string   // pod_namespace
 	StatusRequiresAgent bool     // status_requires_agent
+	// AgentWait (agent_wait_seconds) overrides Plugin.AgentWait when
+	// AgentWaitSet.
+	AgentWait    time.Duration
+	AgentWaitSet bool
 	// PodAnnotations is runtimeConfig's io.kubernetes.cri.pod-annotations,
 	// filled by containerd and CRI-O when the entry declares that
 	// capability; nil when absent.
@@ -86,6 +91,12 @@ func ParseConfig(stdin []byte) (*Config, error) {
 			return nil, fmt.Errorf("status_requires_agent: want true or false, have %s", v.Raw)
 		}
 		c.StatusRequiresAgent = v.Bool()
+	}
+	if v := root.Get("agent_wait_seconds"); v.Exists() && v.Type != gjson.Null {
+		if v.Type != gjson.Number || v.Num < 0 || v.Num > maxAgentWait.Seconds() {
+			return nil, fmt.Errorf("agent_wait_seconds: want a number of seconds from 0 to %.0f, have %s", maxAgentWait.Seconds(), v.Raw)
+		}
+		c.AgentWait, c.AgentWaitSet = time.Duration(v.Num*float64(time.Second)), true
 	}
 	if c.ExcludeNamespaces, err = strings_(root.Get("exclude_namespaces"), "exclude_namespaces"); err != nil {
 		return nil, err

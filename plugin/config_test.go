@@ -38,6 +38,9 @@ func TestParseConfig(t *testing.T) {
 		`{"exclude_namespaces":"kube-system"}`: "exclude_namespaces: want a list of strings",
 		`{"exclude_namespaces":[1]}`:           "exclude_namespaces: want a list of strings",
 		`{"status_requires_agent":"yes"}`:      "status_requires_agent: want true or false",
+		`{"agent_wait_seconds":"30"}`:          "agent_wait_seconds: want a number",
+		`{"agent_wait_seconds":-1}`:            "agent_wait_seconds: want a number",
+		`{"agent_wait_seconds":600}`:           "agent_wait_seconds: want a number",
 		`{"runtimeConfig":{"io.kubernetes.cri.pod-annotations":{"a":1}}}`: "pod-annotations.a: want a string",
 		`{"prevResult":[]}`: "prevResult: want an object",
 	} {

@@ -46,9 +46,13 @@ type Plugin struct {
 	// AgentWait is how long, from its start, an ADD of a pod that must
 	// wait for the agent (one to enrol, a sidecar pod, no snapshot) waits
 	// for the agent's socket to answer before it fails; 0: it fails at
-	// once.
+	// once. The entry's agent_wait_seconds overrides it.
 	AgentWait time.Duration
 }
+
+// maxAgentWait bounds agent_wait_seconds inside the kubelet's runtime
+// request timeout (2 min), which covers the whole sandbox.
+const maxAgentWait = 90 * time.Second
 
 // agentPoll is how often an ADD waiting for the agent tries its socket.
 const agentPoll = 200 * time.Millisecond
@@ -344,7 +348,7 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 		}
 		if !c.awaitAgent() {
 			var e *Error
-			if errors.As(down, &e) && c.p.AgentWait > 0 {
+			if errors.As(down, &e) && c.agentWait() > 0 {
 				e.Details = fmt.Sprintf("the ADD waited %.1f s for the agent", c.since()/1000)
 			}
 			return down
@@ -458,14 +462,23 @@ func refusal(err error) bool {
 	return errors.As(err, &refused) || errors.Is(err, wire.ErrTooLarge)
 }
 
-// awaitAgent waits, until AgentWait after the call's start, for the
+// agentWait is how long this ADD may wait for the agent: the entry's
+// agent_wait_seconds, else the plugin's default.
+func (c *call) agentWait() time.Duration {
+	if c.conf.AgentWaitSet {
+		return c.conf.AgentWait
+	}
+	return c.p.AgentWait
+}
+
+// awaitAgent waits, until agentWait after the call's start, for the
 // agent's socket to take a connection.
 func (c *call) awaitAgent() bool {
 	if c.agent != nil { // it went away mid-conversation
 		c.agent.Close()
 		c.agent = nil
 	}
-	for deadline := c.began.Add(c.p.AgentWait); time.Now().Add(agentPoll).Before(deadline); {
+	for deadline := c.began.Add(c.agentWait()); time.Now().Add(agentPoll).Before(deadline); {
 		time.Sleep(agentPoll)
 		if c.dial() == nil {
 			return true

@@ -34,6 +34,10 @@ type Values struct {
 	// PolicySnapshot is where the agent keeps the policy snapshot the
 	// plugin falls back on (policy_snapshot); empty: in the run dir.
 	PolicySnapshot string
+	// AgentWaitSeconds (agent_wait_seconds), when set: how long an ADD
+	// that must wait for the agent waits for it; unset, the plugin's
+	// default (30 s).
+	AgentWaitSeconds *float64
 }
 
 // PluginEntry renders our plugin object for a network list.
@@ -58,6 +62,12 @@ func PluginEntry(v Values) ([]byte, error) {
 			path string
 			val  any
 		}{"policy_snapshot", v.PolicySnapshot})
+	}
+	if v.AgentWaitSeconds != nil {
+		sets = append(sets, struct {
+			path string
+			val  any
+		}{"agent_wait_seconds", *v.AgentWaitSeconds})
 	}
 	for _, s := range sets {
 		var err error
