@@ -26,10 +26,11 @@ go test -run '^$' -bench 'AgentRestart500' -benchtime 3x -count=1 -timeout 30m .
 go test -run '^$' -bench 'IstioHandover' -benchtime 1x -count=1 -timeout 30m ./integration | tee -a "$out"
 # Bursts of 50 and 100 pods on a real node (kubelet, containerd 2.x): the
 # bare node, the bare node annotating each pod, nftcni and Istio's CNI,
-# three rounds each, rotating (about 40 minutes); then the node rebooting
-# with 100 pods, bare, nftcni and Istio's CNI, three rounds (about 30).
-go test -run '^$' -bench 'NodeBurst' -benchtime 3x -count=1 -timeout 90m ./integration | tee -a "$out"
-go test -run '^$' -bench 'NodeReboot' -benchtime 3x -count=1 -timeout 90m ./integration | tee -a "$out"
+# three rounds each after a warm-up round, rotating (about an hour); then
+# the node rebooting with 100 pods, bare, nftcni and Istio's CNI, two rounds
+# after a warm-up round (about 45 minutes).
+go test -run '^$' -bench 'NodeBurst' -benchtime 3x -count=1 -timeout 120m ./integration | tee -a "$out"
+go test -run '^$' -bench 'NodeReboot' -benchtime 2x -count=1 -timeout 90m ./integration | tee -a "$out"
 
 ns() { awk -v n="$1" '$1 ~ n {for (i=1;i<=NF;i++) if ($(i+1)=="ns/op") {print $i; exit}}' "$out"; }
 ratio() { # name-of-comparison name-of-ours
