@@ -93,8 +93,8 @@ func ParseConfig(stdin []byte) (*Config, error) {
 		c.StatusRequiresAgent = v.Bool()
 	}
 	if v := root.Get("agent_wait_seconds"); v.Exists() && v.Type != gjson.Null {
-		if v.Type != gjson.Number || v.Num < 0 || v.Num > maxAgentWait.Seconds() {
-			return nil, fmt.Errorf("agent_wait_seconds: want a number of seconds from 0 to %.0f, have %s", maxAgentWait.Seconds(), v.Raw)
+		if v.Type != gjson.Number || v.Num < 0 || v.Num > wire.MaxAgentWait.Seconds() {
+			return nil, fmt.Errorf("agent_wait_seconds: want a number of seconds from 0 to %.0f, have %s", wire.MaxAgentWait.Seconds(), v.Raw)
 		}
 		c.AgentWait, c.AgentWaitSet = time.Duration(v.Num*float64(time.Second)), true
 	}

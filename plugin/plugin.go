@@ -50,19 +50,8 @@ type Plugin struct {
 	AgentWait time.Duration
 }
 
-// maxAgentWait bounds agent_wait_seconds inside the kubelet's runtime
-// request timeout (2 min), which covers the whole sandbox.
-const maxAgentWait = 90 * time.Second
-
 // agentPoll is how often an ADD waiting for the agent tries its socket.
 const agentPoll = 200 * time.Millisecond
-
-// DefaultAgentWait: after a reboot or an upgrade the agent is back within
-// seconds, and a pod whose ADD waits for it starts then, where a failed
-// ADD starts at the kubelet's next retry of the sandbox (10 s later, each
-// time). Bounded well inside the kubelet's 2 min runtime request timeout,
-// and the ADD fails as before when it runs out.
-const DefaultAgentWait = 30 * time.Second
 
 // Kernel is what the plugin asks of nf_tables in a pod's netns: the
 // agent's batch programmed, or (the agent away) the snapshot's removal.
@@ -77,7 +66,7 @@ type Kernel interface {
 
 // New returns a Plugin with the production timeouts, on the kernel.
 func New() *Plugin {
-	return &Plugin{DialTimeout: time.Second, Timeout: wire.PluginTimeout, Kernel: netlinkKernel{}, AgentWait: DefaultAgentWait}
+	return &Plugin{DialTimeout: time.Second, Timeout: wire.PluginTimeout, Kernel: netlinkKernel{}, AgentWait: wire.DefaultAgentWait}
 }
 
 // call is one invocation: its config, its log buffer, its agent connection.

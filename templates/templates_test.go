@@ -13,6 +13,7 @@ func TestPluginEntrySetsValuesAtPaths(t *testing.T) {
 		ExcludeNamespaces:   []string{"kube-system", "istio-system"},
 		PodNamespace:        "istio-system",
 		StatusRequiresAgent: true,
+		AgentWaitSeconds:    ptr(12.5),
 	}
 	b, err := PluginEntry(v)
 	if err != nil {
@@ -28,6 +29,7 @@ func TestPluginEntrySetsValuesAtPaths(t *testing.T) {
 		"exclude_namespaces":    `["kube-system", "istio-system"]`,
 		"pod_namespace":         "istio-system",
 		"status_requires_agent": "true",
+		"agent_wait_seconds":    "12.5",
 		"capabilities.io\\.kubernetes\\.cri\\.pod-annotations": "true",
 	} {
 		got := gjson.GetBytes(b, path)
@@ -39,10 +41,16 @@ func TestPluginEntrySetsValuesAtPaths(t *testing.T) {
 			t.Errorf("%s = %s, want %s", path, s, want)
 		}
 	}
-	if e, _ := PluginEntry(Values{}); gjson.GetBytes(e, "exclude_namespaces").Raw != "[]" {
+	e, _ := PluginEntry(Values{})
+	if gjson.GetBytes(e, "exclude_namespaces").Raw != "[]" {
 		t.Errorf("nil namespaces should render as [], got %s", gjson.GetBytes(e, "exclude_namespaces").Raw)
 	}
+	if gjson.GetBytes(e, "agent_wait_seconds").Exists() {
+		t.Errorf("an unset wait should leave the plugin's default (no field): %s", e)
+	}
 }
+
+func ptr[T any](v T) *T { return &v }
 
 func TestStandalone(t *testing.T) {
 	b, err := Standalone(Values{LogLevel: "info"}, "0.4.0", "nftcni")

@@ -109,6 +109,19 @@ type Message struct {
 // (kubelet's runtime-request-timeout, 2 min; containerd sets none).
 const PluginTimeout = 5 * time.Second
 
+// DefaultAgentWait is how long the plugin's ADD of a pod that must wait
+// for the agent (one to enrol, a sidecar pod, no policy snapshot) waits
+// for it when the entry says nothing (agent_wait_seconds): after a reboot
+// or an upgrade the agent is back within seconds, and a pod whose ADD
+// waits for it starts then, where a failed ADD starts at the kubelet's
+// next retry of the sandbox (10 s later, each time). MaxAgentWait keeps
+// it well inside the kubelet's runtime request timeout (2 min), which
+// covers the whole sandbox.
+const (
+	DefaultAgentWait = 30 * time.Second
+	MaxAgentWait     = 90 * time.Second
+)
+
 // Timings are milliseconds from the plugin's start.
 type Timings struct {
 	Decided    float64 `json:"decided_ms"`    // the agent's decision arrived

@@ -4,6 +4,7 @@ import (
 	"net/netip"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/nftcni/nftcni/capture"
 	"github.com/nftcni/nftcni/istio"
@@ -31,5 +32,30 @@ func TestProbeSNATFlags(t *testing.T) {
 		case c.err == "" && (err != nil || got != c.want):
 			t.Errorf("%s %s: %+v %v, want %+v", c.v4, c.v6, got, err, c.want)
 		}
+	}
+}
+
+// TestPluginAgentWaitFlag: the default writes no field (the plugin's own
+// default applies, and an older plugin reads none), another value is
+// written in seconds, one past the plugin's bound is refused.
+func TestPluginAgentWaitFlag(t *testing.T) {
+	f := newFlagSet("test")
+	c := &common{}
+	c.register(f)
+	if err := f.Parse(nil); err != nil {
+		t.Fatal(err)
+	}
+	if v, err := c.pluginValues(); err != nil || v.AgentWaitSeconds != nil {
+		t.Errorf("default: %v, %v; want no agent_wait_seconds", v.AgentWaitSeconds, err)
+	}
+	for in, want := range map[time.Duration]float64{0: 0, 5 * time.Second: 5, 90 * time.Second: 90} {
+		c.agentWait = in
+		if v, err := c.pluginValues(); err != nil || v.AgentWaitSeconds == nil || *v.AgentWaitSeconds != want {
+			t.Errorf("--plugin-agent-wait %v: %v, %v; want %v", in, v.AgentWaitSeconds, err, want)
+		}
+	}
+	c.agentWait = 2 * time.Minute
+	if _, err := c.pluginValues(); err == nil || !strings.Contains(err.Error(), "--plugin-agent-wait") {
+		t.Errorf("--plugin-agent-wait 2m: %v, want refused", err)
 	}
 }

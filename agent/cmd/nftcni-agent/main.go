@@ -33,6 +33,7 @@ import (
 	"github.com/nftcni/nftcni/agent/node"
 	"github.com/nftcni/nftcni/agent/readiness"
 	"github.com/nftcni/nftcni/agent/runlock"
+	"github.com/nftcni/nftcni/plugin/wire"
 	"github.com/nftcni/nftcni/templates"
 )
 
@@ -98,12 +99,8 @@ func main() {
 	}
 }
 
-// newInstaller renders our config from the flags and builds the installer.
-func newInstaller(c *common, log *slog.Logger, needBinary bool) (*install.Installer, error) {
-	mode, err := install.ParseMode(c.mode)
-	if err != nil {
-		return nil, err
-	}
+// pluginValues are the plugin's settings in its entry, from the flags.
+func (c *common) pluginValues() (templates.Values, error) {
 	vals := templates.Values{
 		LogLevel:            c.pluginLogLevel,
 		AgentRunDir:         c.runDir,
@@ -111,6 +108,26 @@ func newInstaller(c *common, log *slog.Logger, needBinary bool) (*install.Instal
 		PodNamespace:        c.podNamespace,
 		StatusRequiresAgent: c.statusRequiresAgent,
 		PolicySnapshot:      c.policySnapshot(),
+	}
+	if c.agentWait < 0 || c.agentWait > wire.MaxAgentWait {
+		return vals, fmt.Errorf("--plugin-agent-wait %v: want 0 to %v", c.agentWait, wire.MaxAgentWait)
+	}
+	if c.agentWait != wire.DefaultAgentWait { // the default needs no field: older plugins read none
+		s := c.agentWait.Seconds()
+		vals.AgentWaitSeconds = &s
+	}
+	return vals, nil
+}
+
+// newInstaller renders our config from the flags and builds the installer.
+func newInstaller(c *common, log *slog.Logger, needBinary bool) (*install.Installer, error) {
+	mode, err := install.ParseMode(c.mode)
+	if err != nil {
+		return nil, err
+	}
+	vals, err := c.pluginValues()
+	if err != nil {
+		return nil, err
 	}
 	entry, err := templates.PluginEntry(vals)
 	if err != nil {
