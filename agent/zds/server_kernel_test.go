@@ -597,6 +597,10 @@ func TestIdleConnectionEndNamed(t *testing.T) {
 				uc.Close()
 			}
 			waitConnected(t, s, false)
+			// The drop is logged after the connection is forgotten.
+			for deadline := time.Now().Add(wait); !strings.Contains(log.String(), tc.want) && time.Now().Before(deadline); {
+				time.Sleep(5 * time.Millisecond)
+			}
 			if got := log.String(); !strings.Contains(got, tc.want) {
 				t.Errorf("log says:\n%s\nwant %q", got, tc.want)
 			}
