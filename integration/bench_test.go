@@ -3,6 +3,7 @@ package integration
 import (
 	"context"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"net"
 	"os"
@@ -269,10 +270,14 @@ func reportQuantiles(b *testing.B, order []string, samples map[string][]time.Dur
 // machine cancels). Sandbox starts here vary by ±10 ms around 50–200 ms,
 // so an "added" of a few ms needs its interval beside it. With base ""
 // it compares the variants themselves (the appended plugin's exec).
+// NaN when a variant has no rounds.
 func addedRatio(samples map[string][]time.Duration, v, ref, base string) (ratio, lo, hi float64) {
 	n := min(len(samples[v]), len(samples[ref]))
 	if base != "" {
 		n = min(n, len(samples[base]))
+	}
+	if n == 0 { // a variant left out (NFTCNI_BENCH_VARIANTS)
+		return math.NaN(), math.NaN(), math.NaN()
 	}
 	at := func(variant string, r int) float64 {
 		if base == "" {

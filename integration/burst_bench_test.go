@@ -23,7 +23,6 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/watch"
 
-	"github.com/nftcni/nftcni/integration/istiotest"
 	"github.com/nftcni/nftcni/integration/nodetest"
 	"github.com/nftcni/nftcni/istio"
 )
@@ -58,6 +57,7 @@ func BenchmarkNodeBurst(b *testing.B) {
 	waitDaemonSetPodReady(b, n, "istio-system", "app=ztunnel")
 	mkNamespace(b, n, "burst", map[string]string{"istio.io/dataplane-mode": "ambient"})
 	kubelet := kubeletMetrics(n)
+	variants := benchVariants(b, burstVariants)
 	for _, size := range []int{50, 100} {
 		b.Run(fmt.Sprint(size), func(b *testing.B) {
 			pods := map[string][]time.Duration{}    // variant -> every pod's start
@@ -66,40 +66,31 @@ func BenchmarkNodeBurst(b *testing.B) {
 			failed := map[string]int{}              // variant -> sandboxes the kubelet failed to create
 			var share burstShare
 			for round := 0; round < b.N; round++ {
-				order := slices.Clone(burstVariants)
+				order := slices.Clone(variants)
 				rotate(order, round)
-				for _, v := range order {
-					var istioAgent *istiotest.Agent
-					switch v {
-					case "nftcni":
-						helmInstall(b, n, imageValues, "chained")
-					case "istio-cni":
-						istioAgent = startIstioCNI(b, n)
-					}
+				for _, name := range order {
+					v := startVariant(b, n, imageValues, name)
 					before, logAt := kubelet(b), kubeletLogSize(n)
 					var m0 string
-					if v == "nftcni" {
+					if name == "nftcni" {
 						m0 = agentMetrics(b, n)
 					}
 					prefix := fmt.Sprintf("r%d", round)
 					starts := burst(b, n, "burst", prefix, size, burstOptions{
-						patch: v == "bare+annotation", enrolled: v == "nftcni" || v == "istio-cni"})
-					sli[v] = addBuckets(sli[v], subBuckets(kubelet(b), before))
-					failed[v] += failedSandboxes(b, n, logAt)
-					pods[v] = append(pods[v], starts...)
-					p99s[v] = append(p99s[v], quantile(starts, 0.99))
-					switch v {
-					case "nftcni":
+						patch: name == "bare+annotation", enrolled: v.enrolled()})
+					sli[name] = addBuckets(sli[name], subBuckets(kubelet(b), before))
+					failed[name] += failedSandboxes(b, n, logAt)
+					pods[name] = append(pods[name], starts...)
+					p99s[name] = append(p99s[name], quantile(starts, 0.99))
+					if name == "nftcni" {
 						share.metrics(m0, agentMetrics(b, n))
 						share.pods += size
 						share.add(agentPodLog(b, n, waitDaemonSetPodReady(b, n, "kube-system", "k8s-app=nftcni-node")), "burst/"+prefix+"-")
-						helmUninstall(b, n)
-					case "istio-cni":
-						stopIstioCNI(b, n, istioAgent)
 					}
+					v.stop(b)
 				}
 			}
-			for _, v := range burstVariants {
+			for _, v := range variants {
 				b.ReportMetric(ms(quantile(pods[v], 0.5)), v+"-ms-p50")
 				b.ReportMetric(ms(quantile(pods[v], 0.9)), v+"-ms-p90")
 				b.ReportMetric(ms(quantile(pods[v], 0.99)), v+"-ms-p99")
@@ -301,43 +292,6 @@ func histogram(text, name string) map[float64]float64 {
 // agent does at ADD: an API write per pod, and the updates it sets off in
 // the kubelet and every watcher), and nftcni.
 var burstVariants = []string{"bare", "bare+annotation", "nftcni", "istio-cni"}
-
-// startIstioCNI runs Istio's CNI agent inside the node, as its DaemonSet
-// would (the node's netns as its host netns, its plugin in the node's
-// conflist, its ZDS socket on the host path ztunnel mounts), and waits for
-// the ztunnel stand-in to connect to it.
-func startIstioCNI(b *testing.B, n *nodetest.Node) *istiotest.Agent {
-	b.Helper()
-	a := istiotest.Start(b, istiotest.Options{HostNetns: "/proc/1/ns/net", ConfDir: n.ConfDir, BinDir: n.BinDir,
-		APIHost: fmt.Sprintf("%s:6443", nodetest.NodeIP), Token: nodetest.AdminToken, NodeName: nodetest.NodeName,
-		Nftables: true, Command: n.Command, Root: n.Path(""), ZtunnelSocket: "/run/ztunnel/ztunnel.sock"})
-	n.WaitFor("the ztunnel stand-in connected to Istio's agent", 3*time.Minute, func() bool {
-		return strings.Contains(a.Log(), "new ztunnel connected")
-	})
-	return a
-}
-
-// stopIstioCNI stops Istio's agent as its DaemonSet's removal would, and
-// leaves the node as the bare node: the primary's conflist and no table of
-// Istio's in the node's netns.
-func stopIstioCNI(b *testing.B, n *nodetest.Node, a *istiotest.Agent) {
-	b.Helper()
-	a.Stop()
-	if conf, _ := os.ReadFile(filepath.Join(n.ConfDir, nodetest.ConfFile)); strings.Contains(string(conf), "istio-cni") {
-		n.WritePrimaryConflist()
-	}
-	out, err := n.Run("nft", "list", "tables")
-	if err != nil {
-		b.Fatalf("nft list tables in the node: %v\n%s", err, out)
-	}
-	for _, line := range strings.Split(out, "\n") {
-		if f := strings.Fields(line); len(f) == 3 && strings.HasPrefix(f[2], "istio") {
-			if out, err := n.Run("nft", "delete", "table", f[1], f[2]); err != nil {
-				b.Fatalf("nft delete table %s %s: %v\n%s", f[1], f[2], err, out)
-			}
-		}
-	}
-}
 
 // burstOptions: patch, PATCH each pod's redirection annotation once it has
 // an IP (the agent's API write, without the agent); enrolled, require each

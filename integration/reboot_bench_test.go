@@ -13,7 +13,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/nftcni/nftcni/integration/istiotest"
 	"github.com/nftcni/nftcni/integration/nodetest"
 )
 
@@ -41,51 +40,66 @@ func BenchmarkNodeReboot(b *testing.B) {
 	pods := map[string][]time.Duration{} // variant -> every pod's time to running again
 	p99s := map[string][]time.Duration{} // variant -> each round's p99
 	failed := map[string]int{}           // variant -> sandboxes the kubelet failed to create
+	// variant -> each round's time from down to: ztunnel's pod Ready,
+	// nftcni's agent pod Ready, the first pod running
+	ztunnelBack, agentBack, firstBack := map[string][]time.Duration{}, map[string][]time.Duration{}, map[string][]time.Duration{}
+	variants := benchVariants(b, rebootVariants)
 	for round := 0; round < b.N; round++ {
-		order := slices.Clone(rebootVariants)
+		order := slices.Clone(variants)
 		rotate(order, round)
-		for _, v := range order {
-			var istioAgent *istiotest.Agent
-			switch v {
-			case "nftcni":
-				helmInstall(b, n, imageValues, "chained")
-			case "istio-cni":
-				istioAgent = startIstioCNI(b, n)
-			}
-			enrolled := v != "bare"
-			_, ids := createPods(b, n, "reboot", fmt.Sprintf("r%d", round), size, burstOptions{enrolled: enrolled})
+		for _, name := range order {
+			v := startVariant(b, n, imageValues, name)
+			_, ids := createPods(b, n, "reboot", fmt.Sprintf("r%d", round), size, burstOptions{enrolled: v.enrolled()})
+			ctx, cancel := context.WithCancel(context.Background())
 			down, logAt := time.Now(), kubeletLogSize(n)
+			ztunnel := readyAgain(ctx, n, "istio-system", "app=ztunnel", down)
+			agent := readyAgain(ctx, n, "kube-system", "k8s-app=nftcni-node", down)
 			n.Reboot(nil)
-			if v == "istio-cni" {
-				istioAgent.Stop() // gone with the node
-				istioAgent = startIstioCNI(b, n)
-			}
+			v.rebooted(b)
 			back := restarted(b, n, "reboot", ids, down)
-			failed[v] += failedSandboxes(b, n, logAt)
-			if enrolled {
+			failed[name] += failedSandboxes(b, n, logAt)
+			if v.enrolled() {
 				requireCaptured(b, n, "reboot")
 			}
-			pods[v] = append(pods[v], back...)
-			p99s[v] = append(p99s[v], quantile(back, 0.99))
-			deletePods(b, n, "reboot")
-			switch v {
-			case "nftcni":
-				helmUninstall(b, n)
-			case "istio-cni":
-				stopIstioCNI(b, n, istioAgent)
+			pods[name] = append(pods[name], back...)
+			p99s[name] = append(p99s[name], quantile(back, 0.99))
+			firstBack[name] = append(firstBack[name], slices.Min(back))
+			ztunnelBack[name] = append(ztunnelBack[name], backWithin(b, ztunnel, "ztunnel's pod"))
+			if name == "nftcni" {
+				agentBack[name] = append(agentBack[name], backWithin(b, agent, "nftcni's agent pod"))
 			}
+			cancel()
+			deletePods(b, n, "reboot")
+			v.stop(b)
 		}
 	}
-	for _, v := range rebootVariants {
+	for _, v := range variants {
 		b.ReportMetric(ms(quantile(pods[v], 0.5)), v+"-ms-p50")
 		b.ReportMetric(ms(quantile(pods[v], 0.9)), v+"-ms-p90")
 		b.ReportMetric(ms(quantile(pods[v], 0.99)), v+"-ms-p99")
 		b.ReportMetric(float64(failed[v]), v+"-failed-sandboxes")
+		b.ReportMetric(ms(quantile(firstBack[v], 0.5)), v+"-first-pod-ms")
+		b.ReportMetric(ms(quantile(ztunnelBack[v], 0.5)), v+"-ztunnel-ready-ms")
+		if len(agentBack[v]) > 0 {
+			b.ReportMetric(ms(quantile(agentBack[v], 0.5)), v+"-agent-ready-ms")
+		}
 	}
 	for _, v := range []string{"nftcni", "istio-cni"} {
 		r, lo, hi := addedRatio(p99s, v, "bare", "")
 		b.ReportMetric(r, "p99-"+v+"/bare")
 		b.Logf("reboot with %d pods, %d rounds: p99 %s/bare %.3fx (90%% of round resamples %.3f–%.3fx)", size, b.N, v, r, lo, hi)
+	}
+}
+
+// backWithin is what readyAgain reports, failing if it has not within a
+// minute of the pods' return.
+func backWithin(b *testing.B, c <-chan time.Duration, what string) time.Duration {
+	select {
+	case d := <-c:
+		return d
+	case <-time.After(time.Minute):
+		b.Fatalf("%s not Ready again a minute after every pod runs", what)
+		return 0
 	}
 }
 

@@ -1,0 +1,148 @@
+package integration
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/nftcni/nftcni/integration/istiotest"
+	"github.com/nftcni/nftcni/integration/nodetest"
+)
+
+// nodeVariant is what runs on a node benchmark's node besides the primary:
+// nothing ("bare", "bare+annotation"), nftcni's chart ("nftcni"), or
+// Istio's CNI ("istio-cni").
+type nodeVariant struct {
+	name  string
+	n     *nodetest.Node
+	istio *istiotest.Agent
+}
+
+// startVariant sets the node up for variant name.
+func startVariant(b *testing.B, n *nodetest.Node, imageValues []string, name string) *nodeVariant {
+	b.Helper()
+	v := &nodeVariant{name: name, n: n}
+	switch name {
+	case "nftcni":
+		helmInstall(b, n, imageValues, "chained")
+	case "istio-cni":
+		v.istio = startIstioCNI(b, n)
+	}
+	return v
+}
+
+// enrolled says whether the variant's CNI enrols the pods of an ambient
+// namespace.
+func (v *nodeVariant) enrolled() bool { return v.name == "nftcni" || v.name == "istio-cni" }
+
+// rebooted starts again what the node's boot does not: Istio's agent runs
+// outside the node's kubelet here (nftcni's is a DaemonSet pod the kubelet
+// restarts with the others).
+func (v *nodeVariant) rebooted(b *testing.B) {
+	b.Helper()
+	if v.istio != nil {
+		v.istio.Stop() // gone with the node
+		v.istio = startIstioCNI(b, v.n)
+	}
+}
+
+// stop leaves the node bare again.
+func (v *nodeVariant) stop(b *testing.B) {
+	b.Helper()
+	switch v.name {
+	case "nftcni":
+		helmUninstall(b, v.n)
+	case "istio-cni":
+		stopIstioCNI(b, v.n, v.istio)
+	}
+}
+
+// benchVariants is all, or those of it NFTCNI_BENCH_VARIANTS names (a
+// comma-separated list), to look at some variants alone.
+func benchVariants(b *testing.B, all []string) []string {
+	env := os.Getenv("NFTCNI_BENCH_VARIANTS")
+	if env == "" {
+		return all
+	}
+	var out []string
+	for _, v := range strings.Split(env, ",") {
+		if !slices.Contains(all, v) {
+			b.Fatalf("NFTCNI_BENCH_VARIANTS: no variant %q here (%s)", v, strings.Join(all, ", "))
+		}
+		out = append(out, v)
+	}
+	return out
+}
+
+// startIstioCNI runs Istio's CNI agent inside the node, as its DaemonSet
+// would (the node's netns as its host netns, its plugin in the node's
+// conflist, its ZDS socket on the host path ztunnel mounts), and waits for
+// the ztunnel stand-in to connect to it.
+func startIstioCNI(b *testing.B, n *nodetest.Node) *istiotest.Agent {
+	b.Helper()
+	a := istiotest.Start(b, istiotest.Options{HostNetns: "/proc/1/ns/net", ConfDir: n.ConfDir, BinDir: n.BinDir,
+		APIHost: strings.TrimPrefix(n.Config.Host, "https://"), Token: nodetest.AdminToken, NodeName: nodetest.NodeName,
+		Nftables: true, Command: n.Command, Root: n.Path(""), ZtunnelSocket: "/run/ztunnel/ztunnel.sock"})
+	n.WaitFor("the ztunnel stand-in connected to Istio's agent", 3*time.Minute, func() bool {
+		return strings.Contains(a.Log(), "new ztunnel connected")
+	})
+	return a
+}
+
+// stopIstioCNI stops Istio's agent as its DaemonSet's removal would, and
+// leaves the node as the bare node: the primary's conflist and no table of
+// Istio's in the node's netns.
+func stopIstioCNI(b *testing.B, n *nodetest.Node, a *istiotest.Agent) {
+	b.Helper()
+	a.Stop()
+	if conf, _ := os.ReadFile(filepath.Join(n.ConfDir, nodetest.ConfFile)); strings.Contains(string(conf), "istio-cni") {
+		n.WritePrimaryConflist()
+	}
+	out, err := n.Run("nft", "list", "tables")
+	if err != nil {
+		b.Fatalf("nft list tables in the node: %v\n%s", err, out)
+	}
+	for _, line := range strings.Split(out, "\n") {
+		if f := strings.Fields(line); len(f) == 3 && strings.HasPrefix(f[2], "istio") {
+			if out, err := n.Run("nft", "delete", "table", f[1], f[2]); err != nil {
+				b.Fatalf("nft delete table %s %s: %v\n%s", f[1], f[2], err, out)
+			}
+		}
+	}
+}
+
+// readyAgain reports, once, the time from since to the first moment a pod
+// of ns matching selector is Ready in a container other than the one
+// that ran at since (polled every 100 ms, through the API server's restart),
+// or nothing if ctx ends first.
+func readyAgain(ctx context.Context, n *nodetest.Node, ns, selector string, since time.Time) <-chan time.Duration {
+	old := map[string]bool{}
+	if l, err := n.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{LabelSelector: selector}); err == nil {
+		for _, p := range l.Items {
+			for _, c := range p.Status.ContainerStatuses {
+				old[c.ContainerID] = true
+			}
+		}
+	}
+	out := make(chan time.Duration, 1)
+	go func() {
+		for ctx.Err() == nil {
+			l, err := n.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{LabelSelector: selector})
+			for i := 0; err == nil && i < len(l.Items); i++ {
+				p := &l.Items[i]
+				if podReady(p) && len(p.Status.ContainerStatuses) > 0 && !old[p.Status.ContainerStatuses[0].ContainerID] {
+					out <- time.Since(since)
+					return
+				}
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}()
+	return out
+}
