@@ -21,6 +21,7 @@ import (
 	"github.com/nftcni/nftcni/agent/zds"
 	"github.com/nftcni/nftcni/capture"
 	"github.com/nftcni/nftcni/internal/testnet"
+	"github.com/nftcni/nftcni/internal/ztunneltest"
 	"github.com/nftcni/nftcni/istio"
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
@@ -547,6 +548,63 @@ func TestCNIAgentBackWithinTheWait(t *testing.T) {
 		t.Error("ztunnel does not hold the pod")
 	}
 	t.Logf("the ADD waited for the agent and enrolled the pod %v after it began (the agent was down for %v)", r.took.Round(time.Millisecond), down)
+	if err := n.del(full, rt); err != nil {
+		t.Errorf("DEL: %v", err)
+	}
+}
+
+// An ADD to enrol a pod while the agent runs but no ztunnel is connected
+// (after a reboot the agent's pod can be back before ztunnel's) asks the
+// agent again until a ztunnel connects, within its wait for the agent,
+// then the pod is enrolled and the new ztunnel holds it: the real plugin
+// binary through libcni, the agent, a netns. Before, the ADD failed at
+// once ("no ztunnel connection") into the kubelet's back-off.
+func TestCNIZtunnelBackWithinTheWait(t *testing.T) {
+	n := newCNINode(t, 62)
+	n.agentWait = 20
+	n.startAgent()
+	n.ztunnel.Close()
+	n.ztunnel = nil
+	for deadline := time.Now().Add(3 * time.Second); n.agent.ZDS.Accepting(); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the agent still counts the closed ztunnel as connected")
+		}
+	}
+	full := n.list("bridge", "1.0.0", true, false)
+	pod := testnet.NewNS(t, "nftpod")
+	n.pod(meshNS, "late", nil)
+	rt := runtimeConf(pod, meshNS, "late", nil)
+	type result struct {
+		err  error
+		took time.Duration
+	}
+	done := make(chan result, 1)
+	start := time.Now()
+	go func() { _, err := n.add(full, rt); done <- result{err, time.Since(start)} }()
+	const away = 1500 * time.Millisecond
+	select {
+	case r := <-done:
+		t.Fatalf("the ADD ended while no ztunnel was connected: %v after %v", r.err, r.took)
+	case <-time.After(away):
+	}
+	if hasTable(t, pod) {
+		t.Error("the pod has a ruleset while its ADD waits for ztunnel")
+	}
+	n.ztunnel = ztunneltest.Connect(t, n.zsock)
+	r := <-done
+	if r.err != nil {
+		t.Fatalf("ADD with ztunnel back after %v: %v", away, r.err)
+	}
+	if r.took > away+5*time.Second {
+		t.Errorf("the ADD took %v with ztunnel back after %v", r.took, away)
+	}
+	if !hasTable(t, pod) {
+		t.Error("the pod has no ruleset after its ADD")
+	}
+	if n.ztunnel.Pod("uid-late") == nil {
+		t.Error("the new ztunnel does not hold the pod")
+	}
+	t.Logf("the ADD asked again until ztunnel connected and enrolled the pod %v after it began", r.took.Round(time.Millisecond))
 	if err := n.del(full, rt); err != nil {
 		t.Errorf("DEL: %v", err)
 	}

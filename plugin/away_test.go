@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"reflect"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -171,9 +172,79 @@ func TestAddWaitsForTheAgent(t *testing.T) {
 	}
 }
 
+// An agent that refuses an ADD for now (no ztunnel connected yet:
+// wire.Message.Retry) is asked again within the ADD's wait for the agent,
+// ztunnelPoll apart, and the pod starts once it answers; past the wait the
+// ADD fails with try-again-later, saying how long it asked. A refusal
+// that is not for now, or a wait of 0, fails at once. Mutation: an
+// askAgain that never asks again fails the first case.
+func TestAddAsksAgainWhileNoZtunnel(t *testing.T) {
+	pol := &wire.Policy{EnrolledNamespaces: []string{"mesh"}}
+	notYet := &wire.Message{Kind: wire.KindError, Error: "pod mesh/p: no ztunnel connection (for now)", Retry: true}
+	none := &wire.Message{Kind: wire.KindDecision, Decision: &wire.Verdict{Mode: wire.ModeNone, Reason: "test"}}
+	var out bytes.Buffer
+	for _, tc := range []struct {
+		name     string
+		wait     time.Duration
+		entry    string // added to the conflist entry
+		refusals int    // answered with the refusal, then none
+		retry    bool   // the refusal is for now
+		asks     int
+		ok       bool
+		min, max time.Duration
+	}{
+		{name: "ztunnel back", wait: 5 * time.Second, refusals: 3, retry: true, asks: 4, ok: true, min: 3 * ztunnelPoll, max: 3*ztunnelPoll + time.Second},
+		{name: "ztunnel never back", wait: 1200 * time.Millisecond, refusals: 100, retry: true, asks: 3, min: 2 * ztunnelPoll, max: 2 * time.Second},
+		{name: "not for now", wait: 5 * time.Second, refusals: 100, asks: 1, max: 300 * time.Millisecond},
+		{name: "agent_wait_seconds 0", wait: 5 * time.Second, entry: `"agent_wait_seconds":0,`, refusals: 100, retry: true, asks: 1, max: 300 * time.Millisecond},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a := newAway(t, pol)
+			a.p.AgentWait = tc.wait
+			var asks atomic.Int32
+			servingAgent(t, a.run, func() *wire.Message {
+				if int(asks.Add(1)) <= tc.refusals {
+					m := *notYet
+					m.Retry = tc.retry
+					return &m
+				}
+				return none
+			})
+			args := a.args("ADD", "mesh/p")
+			args.StdinData = bytes.Replace(args.StdinData, []byte(`"type":"nftcni",`), []byte(`"type":"nftcni",`+tc.entry), 1)
+			start := time.Now()
+			err := a.p.Add(args, &out)
+			took := time.Since(start)
+			var cerr *Error
+			switch {
+			case tc.ok && err != nil:
+				t.Errorf("ADD: %v, want the pod started once the agent answers", err)
+			case !tc.ok && tc.retry && tc.entry == "" && (!errors.As(err, &cerr) || cerr.Code != ErrTryAgainLater || !strings.Contains(cerr.Details, "asked")):
+				t.Errorf("ADD: %v, want try-again-later saying how long it asked", err)
+			case !tc.ok && err == nil:
+				t.Error("ADD succeeded, want the refusal")
+			}
+			if got := int(asks.Load()); got != tc.asks {
+				t.Errorf("the agent was asked %d times, want %d", got, tc.asks)
+			}
+			if took < tc.min || took > tc.max {
+				t.Errorf("the ADD took %v, want %v to %v", took, tc.min, tc.max)
+			}
+		})
+	}
+}
+
 // answeringAgent serves the agent's socket, deciding every ADD "not
 // enrolled" (what the agent answers a pod it leaves out).
 func answeringAgent(t *testing.T, runDir string) {
+	servingAgent(t, runDir, func() *wire.Message {
+		return &wire.Message{Kind: wire.KindDecision, Decision: &wire.Verdict{Mode: wire.ModeNone, Reason: "test"}}
+	})
+}
+
+// servingAgent serves the agent's socket, answering each conversation's
+// first message with answer().
+func servingAgent(t *testing.T, runDir string, answer func() *wire.Message) {
 	l, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: filepath.Join(runDir, wire.SocketName), Net: "unixpacket"})
 	if err != nil {
 		t.Error(err)
@@ -194,7 +265,7 @@ func answeringAgent(t *testing.T, runDir string) {
 				if f != nil {
 					f.Close()
 				}
-				_ = c.Send(&wire.Message{Kind: wire.KindDecision, Decision: &wire.Verdict{Mode: wire.ModeNone, Reason: "test"}}, nil)
+				_ = c.Send(answer(), nil)
 			}
 			c.Close()
 		}

@@ -53,6 +53,11 @@ type Plugin struct {
 // agentPoll is how often an ADD waiting for the agent tries its socket.
 const agentPoll = 200 * time.Millisecond
 
+// ztunnelPoll is how often an ADD the agent told to ask again (no ztunnel
+// connected yet) asks: each is a conversation with the agent, which is
+// busy starting every pod of a rebooted node meanwhile.
+const ztunnelPoll = 500 * time.Millisecond
+
 // Kernel is what the plugin asks of nf_tables in a pod's netns: the
 // agent's batch programmed, or (the agent away) the snapshot's removal.
 // The plugin does not link package nft: a fresh process pays for every
@@ -254,7 +259,7 @@ func (c *call) answer(kind, want wire.Kind) (*wire.Message, []int, error) {
 	case err != nil:
 		err = fmt.Errorf("waiting for the agent's answer to %s: %w", kind, err)
 	case r.Kind == wire.KindError:
-		err = &agentError{msg: r.Error}
+		err = &agentError{msg: r.Error, retry: r.Retry}
 	case r.Kind != want:
 		err = fmt.Errorf("agent answered %s with %s, want %s", kind, r.Kind, want)
 	case len(fds) > 0 && (r.Kind != wire.KindDecision || r.Decision.Mode == wire.ModeNone):
@@ -268,8 +273,11 @@ func (c *call) answer(kind, want wire.Kind) (*wire.Message, []int, error) {
 }
 
 // agentError is a refusal from a reachable agent, as opposed to not
-// reaching it.
-type agentError struct{ msg string }
+// reaching it; retry: for now, ask again (wire.Message.Retry).
+type agentError struct {
+	msg   string
+	retry bool
+}
 
 func (e *agentError) Error() string { return "agent: " + e.msg }
 
@@ -347,7 +355,17 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 			return c.agentDown(pod, err, stdout)
 		}
 	}
+	for c.askAgain(err) {
+		if err = add(); err != nil && !refusal(err) {
+			return c.agentDown(pod, err, stdout)
+		}
+	}
 	defer wire.CloseAll(socks)
+	var again *agentError
+	if errors.As(err, &again) && again.retry {
+		return newError(ErrTryAgainLater, fmt.Sprintf("nftcni: pod %s: %v", pod.Key(), err),
+			fmt.Sprintf("the ADD asked the agent for %.1f s", c.since()/1000))
+	}
 	if err != nil {
 		// A refusal, or a failure of this side: never "the agent cannot
 		// be reached".
@@ -474,6 +492,22 @@ func (c *call) awaitAgent() bool {
 		}
 	}
 	return false
+}
+
+// askAgain says whether the ADD asks the agent again after err: a refusal
+// for now (no ztunnel connected yet), with time left in the ADD's wait
+// for the agent; it waits ztunnelPoll first.
+func (c *call) askAgain(err error) bool {
+	var again *agentError
+	if !errors.As(err, &again) || !again.retry || !time.Now().Add(ztunnelPoll).Before(c.began.Add(c.agentWait())) {
+		return false
+	}
+	if c.agent != nil { // the agent ends the conversation with its refusal
+		c.agent.Close()
+		c.agent = nil
+	}
+	time.Sleep(ztunnelPoll)
+	return true
 }
 
 // agentDown applies the failure policy when the agent could not be asked.

@@ -69,6 +69,9 @@ type Ztunnel interface {
 	Del(ctx context.Context, uid string)
 	Holds(uid string) bool
 	State(uid string) string
+	// Accepting says whether a ztunnel is connected, or receiving its
+	// snapshot (StartAdd waits for that one).
+	Accepting() bool
 }
 
 // Probes is the host probe set (package hostprobe).

@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -21,6 +22,7 @@ import (
 
 	"github.com/google/nftables"
 	"github.com/nftcni/nftcni/agent/enablement"
+	"github.com/nftcni/nftcni/agent/events"
 	"github.com/nftcni/nftcni/agent/podsource"
 	"github.com/nftcni/nftcni/agent/records"
 	"github.com/nftcni/nftcni/agent/zds"
@@ -103,9 +105,12 @@ func (r *fakeRules) Check(fd int, rs *nft.Ruleset, gen uint32) (uint32, error) {
 type fakeZtunnel struct {
 	l      *trail
 	addErr error
+	away   atomic.Bool // no ztunnel connected: Accepting is false
 	mu     sync.Mutex
 	held   map[string]bool
 }
+
+func (z *fakeZtunnel) Accepting() bool { return !z.away.Load() }
 
 func (z *fakeZtunnel) StartAdd(ctx context.Context, uid string, info zds.WorkloadInfo, netns *os.File) func() error {
 	z.l.add("zt.Add %s", uid)
@@ -451,6 +456,40 @@ func TestEnrolledLogSplitsTheWaitFromTheAnnotation(t *testing.T) {
 	}
 	if ready, done := field("ready_ms"), field("done_ms"); ready >= float64(patch.Milliseconds()) || done < float64(patch.Milliseconds()) || ready > done {
 		t.Errorf("ready_ms=%v done_ms=%v with a %v PATCH: want ready_ms without it, done_ms with it", ready, done, patch)
+	}
+}
+
+// A pod to enrol while no ztunnel is connected (as after a reboot, before
+// ztunnel's pod is back) is refused for now, before anything is decided to
+// the plugin or programmed: the error tells the plugin to ask again
+// (events.ErrTryAgain) and names the cause. Once ztunnel is back the same
+// ADD enrols it. A pod outside the mesh does not wait for ztunnel.
+func TestAddAsksAgainWhileNoZtunnel(t *testing.T) {
+	r := newRig(t)
+	r.namespace("mesh", true)
+	r.zt.away.Store(true)
+	err := r.addA(&fakePlugin{l: r.l})
+	if !errors.Is(err, events.ErrTryAgain) || !errors.Is(err, zds.ErrNoZtunnel) {
+		t.Fatalf("ADD with no ztunnel: %v, want ErrTryAgain and ErrNoZtunnel", err)
+	}
+	r.expectNot("plugin.Decide ambient", "zt.Add uid-a", "probes.Add uid-a [10.0.0.5]", "rules.Program")
+	if got := r.members(); len(got) != 0 {
+		t.Errorf("members after the refusal: %v", got)
+	}
+	r.zt.away.Store(false)
+	if err := r.addA(&fakePlugin{l: r.l}); err != nil {
+		t.Fatalf("ADD once ztunnel is back: %v", err)
+	}
+	r.expect("plugin.Decide ambient", "zt.Add uid-a", `annotate mesh/a="enabled"`)
+
+	o := newRig(t)
+	o.namespace("plain", false)
+	o.zt.away.Store(true)
+	pl := &fakePlugin{l: o.l}
+	o.pod("plain", "b", "uid-b", "10.0.0.6")
+	wp, ns := o.sandbox("plain", "b", "uid-b", "10.0.0.6")
+	if err := o.add(wp, ns, pl); err != nil || pl.decided.Mode != wire.ModeNone {
+		t.Errorf("ADD outside the mesh with no ztunnel: %v, decided %+v", err, pl.decided)
 	}
 }
 

@@ -11,6 +11,7 @@ import (
 
 	"github.com/nftcni/nftcni/agent/enablement"
 	"github.com/nftcni/nftcni/agent/events"
+	"github.com/nftcni/nftcni/agent/zds"
 	"github.com/nftcni/nftcni/internal/netnsaddr"
 	"github.com/nftcni/nftcni/nft"
 	"github.com/nftcni/nftcni/plugin/wire"
@@ -118,6 +119,12 @@ func (e *Enroller) Add(ctx context.Context, wp *wire.Pod, netns *os.File, plugin
 		p.d = d
 		e.saveRecord(p, d)
 		return nil
+	}
+	if zt := e.opts.Ztunnel; d.Mode == wire.ModeAmbient && zt != nil && !zt.Accepting() {
+		// As after a reboot, before ztunnel's pod is back: nothing is
+		// programmed, and the plugin asks again (within its wait for the
+		// agent) instead of failing the sandbox into the kubelet's back-off.
+		return fmt.Errorf("pod %s: %w (%w)", wp.Key(), zds.ErrNoZtunnel, events.ErrTryAgain)
 	}
 	_, batch, err := e.batches.get(d)
 	if err != nil {

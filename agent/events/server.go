@@ -335,6 +335,12 @@ func (a *addConv) Outcome() (*wire.Timings, error) {
 	return out.Timings, nil
 }
 
+// ErrTryAgain marks a handler's ADD error that is for now (the pod is to
+// be enrolled while no ztunnel is connected, as after a reboot): its
+// refusal tells the plugin to ask again within its wait for the agent,
+// before anything is programmed.
+var ErrTryAgain = errors.New("for now")
+
 // add runs the ADD conversation through the handler and makes sure the
 // plugin has its last answer: the decision for a pod outside the mesh;
 // done or error (Ready) for an enrolled one; an error in place of a
@@ -347,6 +353,13 @@ func (s *Server) add(ctx context.Context, c *wire.Conn, pod *wire.Pod, netns *os
 	}
 	if err == nil && (!conv.decided || conv.mode != wire.ModeNone && !conv.ready) {
 		err = errors.New("the agent left the ADD unanswered") // a handler bug; never leave the plugin waiting
+	}
+	retry := !conv.decided && errors.Is(err, ErrTryAgain)
+	if retry {
+		// The plugin asks again: one failure is counted, when it stops.
+		s.log.Debug("pod ADD to ask again", "pod", pod.Key(), "containerID", pod.ContainerID, "err", err)
+		_ = c.Send(&wire.Message{Kind: wire.KindError, Error: err.Error(), Retry: true}, nil)
+		return
 	}
 	s.count(wire.KindAdd, result(err))
 	if err == nil {

@@ -417,6 +417,37 @@ func TestAgentsFailureFailsTheAdd(t *testing.T) {
 	}
 }
 
+// A refusal for now (the handler's error wraps ErrTryAgain, nothing
+// decided) reaches the plugin marked to ask again, and is not counted as a
+// failed ADD: the plugin's later ask is the ADD's result. Any other
+// refusal is not marked.
+func TestRefusalForNowTellsThePluginToAskAgain(t *testing.T) {
+	for _, tc := range []struct {
+		err   error
+		retry bool
+	}{
+		{fmt.Errorf("pod ns/p: no ztunnel connection (%w)", ErrTryAgain), true},
+		{errors.New("pod ns/p is not in the agent's cache"), false},
+	} {
+		hs := serve(t, &fake{decideErr: tc.err}, "")
+		netns, _ := os.Open("/proc/self/ns/net")
+		defer netns.Close()
+		c, _ := hs.dial(t)
+		if err := c.Send(&wire.Message{Kind: wire.KindAdd, Pod: pod()}, netns); err != nil {
+			t.Fatal(err)
+		}
+		m, _, err := c.Recv()
+		if err != nil || m.Kind != wire.KindError || m.Error != tc.err.Error() || m.Retry != tc.retry {
+			t.Errorf("answer to %v: %+v %v, want the error with retry %v", tc.err, m, err, tc.retry)
+		}
+		if !tc.retry {
+			waitUntil(t, func() bool { return testutil.ToFloat64(hs.metrics.Requests.WithLabelValues("add", "failure")) == 1 })
+		} else if got := testutil.ToFloat64(hs.metrics.Requests.WithLabelValues("add", "failure")); got != 0 {
+			t.Errorf("a refusal for now counted as %v failed ADDs", got)
+		}
+	}
+}
+
 func TestInspectAnswersWhatTheAgentKnows(t *testing.T) {
 	hs := serve(t, &fake{}, "")
 	c, _ := hs.dial(t)

@@ -136,6 +136,14 @@ func (s *Server) Connected() bool {
 	return slices.ContainsFunc(s.conns, func(c *conn) bool { return c.synced.Load() })
 }
 
+// Accepting says whether a ztunnel is connected, or receiving its
+// snapshot: one StartAdd waits for, within its deadline.
+func (s *Server) Accepting() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.conns) > 0 || len(s.pending) > 0
+}
+
 // handshake runs hello and the snapshot, then registers the connection as
 // the newest and watches it for hang-up.
 func (s *Server) handshake(ctx context.Context, uc *net.UnixConn) {

@@ -68,6 +68,9 @@ func AppendMessage(b []byte, m *Message) ([]byte, error) {
 		b = append(b, '}')
 	}
 	b = appendStr(b, "error", m.Error)
+	if m.Retry {
+		b = append(b, `,"retry":true`...)
+	}
 	if len(m.Valid) > 0 {
 		b = appendValid(append(b, `,"valid":`...), m.Valid)
 	}
@@ -229,6 +232,8 @@ func decodeField(m *Message, lens **batchLen, key string, v gjson.Result) (err e
 		m.Decision, err = decodeVerdict(v)
 	case "error":
 		m.Error, err = str(v, key, "")
+	case "retry":
+		m.Retry, err = boolean(v, key, "")
 	case "valid":
 		m.Valid, err = decodeValid(v)
 	case "logs":
@@ -360,10 +365,7 @@ func decodeVerdict(v gjson.Result) (*Verdict, error) {
 		case "reason":
 			d.Reason, err = str(v, "decision", k)
 		case "programmed":
-			if v.Type != gjson.True && v.Type != gjson.False {
-				return errors.New("decision.programmed: want true or false")
-			}
-			d.Programmed = v.Bool()
+			d.Programmed, err = boolean(v, "decision", k)
 		}
 		return err
 	})
@@ -464,6 +466,13 @@ func validUTF8(s string) string {
 		s = s[n:]
 	}
 	return b.String()
+}
+
+func boolean(v gjson.Result, at, key string) (bool, error) {
+	if v.Type != gjson.True && v.Type != gjson.False {
+		return false, fmt.Errorf("%s: want true or false", field(at, key))
+	}
+	return v.Bool(), nil
 }
 
 func num(v gjson.Result, at, key string) (float64, error) {

@@ -59,6 +59,7 @@ func samples() []*Message {
 		{Kind: KindDecision, Decision: &Verdict{Mode: ModeSidecar, Programmed: true}},
 		{Kind: KindDone},
 		{Kind: KindError, Error: "pod x is not in the agent's cache"},
+		{Kind: KindError, Error: "no ztunnel connection", Retry: true},
 		{Kind: KindOutcome, Timings: &Timings{Decided: 1.25, Programmed: 2.5}},
 		{Kind: KindOutcome, Error: "nf_tables transaction: \"file exists\"", Logs: []json.RawMessage{json.RawMessage(`{"level":"WARN","msg":"x"}`)}},
 		{Kind: KindDel, Pod: pod, Logs: []json.RawMessage{json.RawMessage(`{"msg":"a"}`), json.RawMessage(`[1,2]`)}, Deadline: 5},

@@ -88,6 +88,11 @@ type Message struct {
 	Batch *nlsend.Batch `json:"-"`
 	// Error: outcome (empty = rules in place) and error.
 	Error string `json:"error,omitempty"`
+	// Retry: error, the refusal is for now (an enrolment while no
+	// ztunnel is connected, as after a reboot): the plugin may ask again
+	// within its wait for the agent. A plugin that does not know it fails
+	// the ADD, as before.
+	Retry bool `json:"retry,omitempty"`
 	// Valid: gc, the attachments the runtime still has.
 	Valid []Attachment `json:"valid,omitempty"`
 	// Logs: outcome, del and log, one JSON object per record.

@@ -87,7 +87,7 @@ func (c *common) register(f *flagSet) {
 	f.str(&c.podNamespace, "pod-namespace", "POD_NAMESPACE", "", "the agent's own namespace, so the plugin never blocks the agent's pod")
 	f.str(&c.standaloneCNIVersion, "standalone-cni-version", "STANDALONE_CNI_VERSION", "1.0.0", "cniVersion of the list written in standalone mode")
 	f.boolean(&c.statusRequiresAgent, "status-requires-agent", "STATUS_REQUIRES_AGENT", false, "make CNI STATUS fail while the agent is down (marks the node NetworkReady=false on containerd)")
-	f.duration(&c.agentWait, "plugin-agent-wait", "PLUGIN_AGENT_WAIT", wire.DefaultAgentWait, "how long the plugin's ADD of a pod that must wait for the agent (one to enrol, a sidecar pod, no policy snapshot) waits for it before failing, 0 to 90s (0: fails at once); written into its entry when not the default")
+	f.duration(&c.agentWait, "plugin-agent-wait", "PLUGIN_AGENT_WAIT", wire.DefaultAgentWait, "how long the plugin's ADD of a pod that must wait for the agent (one to enrol, a sidecar pod, no policy snapshot) waits for it, or for a ztunnel to connect to it, before failing, 0 to 90s (0: fails at once); written into its entry when not the default")
 }
 
 // Flags shared by commands that do not share the rest.
