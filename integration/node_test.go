@@ -367,6 +367,44 @@ func testNode(t *testing.T, gen containerdtest.Generation) {
 		}
 	}
 
+	// The primary moves to cniVersion 1.1.0 (containerd 2.x then calls CNI
+	// STATUS), nftcni is upgraded to statusRequiresAgent, and the node
+	// reboots: until the agent is back STATUS fails, and the kubelet starts
+	// no pod outside the node's network namespace, so the agent's own pod
+	// must be in it (the chart makes it hostNetwork) or the node never gets
+	// an agent, nor any pod, back. The agent enrols from there as before:
+	// the ambient pods run again captured, a new one is captured.
+	n.WriteConflist(strings.Replace(rewritten, `"cniVersion": "1.0.0"`, `"cniVersion": "1.1.0"`, 1))
+	n.WaitFor("our conflist following the primary to cniVersion 1.1.0", 30*time.Second, func() bool {
+		b, _ := os.ReadFile(owned)
+		return strings.Contains(string(b), `"cniVersion": "1.1.0"`)
+	})
+	if out, err := n.Helm(append([]string{"upgrade", "nftcni", chart, "--namespace", "kube-system", "--wait", "--timeout", "120s", "--set", "statusRequiresAgent=true"}, values...)...); err != nil {
+		t.Fatalf("helm upgrade to statusRequiresAgent: %v\n%s", err, out)
+	}
+	agent = waitNewAgentPod(t, n, agent)
+	ids = map[string]string{}
+	for _, ref := range []string{"kube-system/" + agent, "amb/app", "amb/during"} {
+		ids[ref] = containerID(t, n, ref)
+	}
+	n.Reboot(nil)
+	for _, ref := range []string{"kube-system/" + agent, "amb/app", "amb/during"} {
+		ips[ref] = runningAgain(t, n, ref, ids[ref], 180*time.Second)
+	}
+	if p, err := n.Client.CoreV1().Pods("kube-system").Get(ctx, agent, metav1.GetOptions{}); err != nil || !p.Spec.HostNetwork || p.Status.PodIP != nodetest.NodeIP {
+		t.Fatalf("agent pod with statusRequiresAgent: %v, want it in the node's network namespace (hostNetwork, IP %s)", err, nodetest.NodeIP)
+	}
+	amb = ips["amb/app"]
+	for _, ref := range []string{"amb/app", "amb/during"} {
+		if !capturedOut(ips[ref]) {
+			t.Errorf("%s is not captured after the reboot with statusRequiresAgent", ref)
+		}
+	}
+	hostNet := runApp(t, n, "amb", "hostnet", true)
+	if !capturedOut(hostNet) {
+		t.Error("a pod enrolled by the agent in the node's network namespace is not captured")
+	}
+
 	// Deleting the pod sends ZDS Del and leaves no rules, records or probe
 	// entries.
 	if err := n.Client.CoreV1().Pods("amb").Delete(ctx, "app", metav1.DeleteOptions{}); err != nil {
@@ -392,6 +430,49 @@ func testNode(t *testing.T, gen containerdtest.Generation) {
 		tables, _ := n.Run("nft", "list", "tables")
 		return os.IsNotExist(ownedErr) && os.IsNotExist(binErr) && !strings.Contains(tables, "nftcni-host")
 	})
+}
+
+// waitNewAgentPod waits for an agent pod other than old to be Ready (helm's
+// --wait takes a DaemonSet of one node with maxUnavailable 1 as ready with
+// none) and returns its name.
+func waitNewAgentPod(t *testing.T, n *nodetest.Node, old string) string {
+	t.Helper()
+	var p string
+	n.WaitFor("a new agent pod Ready", 90*time.Second, func() bool {
+		p = daemonSetPodReady(n, "kube-system", "k8s-app=nftcni-node")
+		return p != "" && p != old
+	})
+	return p
+}
+
+// runningAgain waits until pod ref (namespace/name) is Ready in a container
+// other than oldID and returns its IP, or fails saying where the pod and
+// the node are.
+func runningAgain(t *testing.T, n *nodetest.Node, ref, oldID string, limit time.Duration) string {
+	t.Helper()
+	ns, name, _ := strings.Cut(ref, "/")
+	var p *corev1.Pod
+	for deadline := time.Now().Add(limit); time.Now().Before(deadline); time.Sleep(500 * time.Millisecond) {
+		var err error
+		if p, err = n.Client.CoreV1().Pods(ns).Get(context.Background(), name, metav1.GetOptions{}); err == nil &&
+			podReady(p) && len(p.Status.ContainerStatuses) > 0 && p.Status.ContainerStatuses[0].ContainerID != oldID {
+			return p.Status.PodIP
+		}
+	}
+	var ready string
+	if node, err := n.Client.CoreV1().Nodes().Get(context.Background(), nodetest.NodeName, metav1.GetOptions{}); err == nil {
+		for _, c := range node.Status.Conditions {
+			if c.Type == corev1.NodeReady {
+				ready = fmt.Sprintf("%s: %s", c.Status, c.Message)
+			}
+		}
+	}
+	var status any
+	if p != nil {
+		status = p.Status.Conditions
+	}
+	t.Fatalf("%s not running again within %v: %+v; node Ready %s", ref, limit, status, ready)
+	return ""
 }
 
 func mkNamespace(t testing.TB, n *nodetest.Node, name string, labels map[string]string) {
