@@ -16,8 +16,9 @@ import (
 )
 
 // nodeVariant is what runs on a node benchmark's node besides the primary:
-// nothing ("bare", "bare+annotation"), nftcni's chart ("nftcni"), or
-// Istio's CNI ("istio-cni").
+// nothing ("bare", "bare+annotation"), nftcni's chart ("nftcni"; its agent
+// in the node's network namespace: "nftcni-hostnet"), or Istio's CNI
+// ("istio-cni").
 type nodeVariant struct {
 	name  string
 	n     *nodetest.Node
@@ -31,6 +32,8 @@ func startVariant(b *testing.B, n *nodetest.Node, imageValues []string, name str
 	switch name {
 	case "nftcni":
 		helmInstall(b, n, imageValues, "chained")
+	case "nftcni-hostnet":
+		helmInstall(b, n, slices.Concat(imageValues, []string{"--set", "ambient.shareHostNetworkNamespace=true"}), "chained")
 	case "istio-cni":
 		v.istio = startIstioCNI(b, n)
 	}
@@ -39,7 +42,10 @@ func startVariant(b *testing.B, n *nodetest.Node, imageValues []string, name str
 
 // enrolled says whether the variant's CNI enrols the pods of an ambient
 // namespace.
-func (v *nodeVariant) enrolled() bool { return v.name == "nftcni" || v.name == "istio-cni" }
+func (v *nodeVariant) enrolled() bool { return v.nftcni() || v.name == "istio-cni" }
+
+// nftcni says whether nftcni's chart runs.
+func (v *nodeVariant) nftcni() bool { return strings.HasPrefix(v.name, "nftcni") }
 
 // rebooted starts again what the node's boot does not: Istio's agent runs
 // outside the node's kubelet here (nftcni's is a DaemonSet pod the kubelet
@@ -55,10 +61,10 @@ func (v *nodeVariant) rebooted(b *testing.B) {
 // stop leaves the node bare again.
 func (v *nodeVariant) stop(b *testing.B) {
 	b.Helper()
-	switch v.name {
-	case "nftcni":
+	switch {
+	case v.nftcni():
 		helmUninstall(b, v.n)
-	case "istio-cni":
+	case v.istio != nil:
 		stopIstioCNI(b, v.n, v.istio)
 	}
 }
