@@ -356,7 +356,8 @@ func (s *Server) add(ctx context.Context, c *wire.Conn, pod *wire.Pod, netns *os
 	}
 	retry := !conv.decided && errors.Is(err, ErrTryAgain)
 	if retry {
-		// The plugin asks again: one failure is counted, when it stops.
+		// The plugin asks again: counted apart from failures.
+		s.count(wire.KindAdd, "retry")
 		s.log.Debug("pod ADD to ask again", "pod", pod.Key(), "containerID", pod.ContainerID, "err", err)
 		_ = c.Send(&wire.Message{Kind: wire.KindError, Error: err.Error(), Retry: true}, nil)
 		return

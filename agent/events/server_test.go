@@ -418,9 +418,8 @@ func TestAgentsFailureFailsTheAdd(t *testing.T) {
 }
 
 // A refusal for now (the handler's error wraps ErrTryAgain, nothing
-// decided) reaches the plugin marked to ask again, and is not counted as a
-// failed ADD: the plugin's later ask is the ADD's result. Any other
-// refusal is not marked.
+// decided) reaches the plugin marked to ask again, and is counted as
+// result "retry", not as a failed ADD. Any other refusal is neither.
 func TestRefusalForNowTellsThePluginToAskAgain(t *testing.T) {
 	for _, tc := range []struct {
 		err   error
@@ -442,8 +441,11 @@ func TestRefusalForNowTellsThePluginToAskAgain(t *testing.T) {
 		}
 		if !tc.retry {
 			waitUntil(t, func() bool { return testutil.ToFloat64(hs.metrics.Requests.WithLabelValues("add", "failure")) == 1 })
-		} else if got := testutil.ToFloat64(hs.metrics.Requests.WithLabelValues("add", "failure")); got != 0 {
-			t.Errorf("a refusal for now counted as %v failed ADDs", got)
+		} else {
+			waitUntil(t, func() bool { return testutil.ToFloat64(hs.metrics.Requests.WithLabelValues("add", "retry")) == 1 })
+			if got := testutil.ToFloat64(hs.metrics.Requests.WithLabelValues("add", "failure")); got != 0 {
+				t.Errorf("a refusal for now counted as %v failed ADDs", got)
+			}
 		}
 	}
 }
