@@ -513,55 +513,19 @@ func (n *cniNode) failedAddLeftNothing(t *testing.T, pod *testnet.NS, l *libcni.
 // in ztunnel's hands, with no failed sandbox for the runtime to retry.
 func TestCNIAgentBackWithinTheWait(t *testing.T) {
 	n := newCNINode(t, 61)
-	n.agentWait = 20
 	n.startAgent() // writes the policy snapshot
 	n.stopAgent()
-	full := n.list("bridge", "1.0.0", true, false)
-	pod := testnet.NewNS(t, "nftpod")
-	n.pod(meshNS, "late", nil)
-	rt := runtimeConf(pod, meshNS, "late", nil)
-	type result struct {
-		err  error
-		took time.Duration
-	}
-	done := make(chan result, 1)
-	start := time.Now()
-	go func() { _, err := n.add(full, rt); done <- result{err, time.Since(start)} }()
-	const down = 1500 * time.Millisecond
-	select {
-	case r := <-done:
-		t.Fatalf("the ADD ended while the agent was down: %v after %v", r.err, r.took)
-	case <-time.After(down):
-	}
-	n.startAgent()
-	r := <-done
-	if r.err != nil {
-		t.Fatalf("ADD with the agent back after %v: %v", down, r.err)
-	}
-	if r.took > down+5*time.Second {
-		t.Errorf("the ADD took %v with the agent back after %v", r.took, down)
-	}
-	if !hasTable(t, pod) {
-		t.Error("the pod has no ruleset after its ADD")
-	}
-	if n.ztunnel.Pod("uid-late") == nil {
-		t.Error("ztunnel does not hold the pod")
-	}
-	t.Logf("the ADD waited for the agent and enrolled the pod %v after it began (the agent was down for %v)", r.took.Round(time.Millisecond), down)
-	if err := n.del(full, rt); err != nil {
-		t.Errorf("DEL: %v", err)
-	}
+	took := addWithinTheWait(t, n, "the agent", n.startAgent)
+	t.Logf("the ADD waited for the agent and enrolled the pod %v after it began", took)
 }
 
 // An ADD to enrol a pod while the agent runs but no ztunnel is connected
 // (after a reboot the agent's pod can be back before ztunnel's) asks the
 // agent again until a ztunnel connects, within its wait for the agent,
-// then the pod is enrolled and the new ztunnel holds it: the real plugin
-// binary through libcni, the agent, a netns. Before, the ADD failed at
-// once ("no ztunnel connection") into the kubelet's back-off.
+// then the pod is enrolled and the new ztunnel holds it. Before, the ADD
+// failed at once ("no ztunnel connection") into the kubelet's back-off.
 func TestCNIZtunnelBackWithinTheWait(t *testing.T) {
 	n := newCNINode(t, 62)
-	n.agentWait = 20
 	n.startAgent()
 	n.ztunnel.Close()
 	n.ztunnel = nil
@@ -570,6 +534,19 @@ func TestCNIZtunnelBackWithinTheWait(t *testing.T) {
 			t.Fatal("the agent still counts the closed ztunnel as connected")
 		}
 	}
+	took := addWithinTheWait(t, n, "ztunnel", func() { n.ztunnel = ztunneltest.Connect(t, n.zsock) })
+	t.Logf("the ADD asked again until ztunnel connected and enrolled the pod %v after it began", took)
+}
+
+// addWithinTheWait runs a mesh pod's ADD through libcni and the real
+// plugin binary, with a 20 s wait for the agent, while what is missing
+// (the agent, a ztunnel) is away; 1.5 s in, with the ADD still waiting and
+// nothing programmed, back() brings it back; the ADD must then succeed
+// with the pod's ruleset in place and ztunnel holding the pod. It returns
+// the ADD's time, and deletes the pod.
+func addWithinTheWait(t *testing.T, n *cniNode, missing string, back func()) time.Duration {
+	t.Helper()
+	n.agentWait = 20
 	full := n.list("bridge", "1.0.0", true, false)
 	pod := testnet.NewNS(t, "nftpod")
 	n.pod(meshNS, "late", nil)
@@ -584,28 +561,28 @@ func TestCNIZtunnelBackWithinTheWait(t *testing.T) {
 	const away = 1500 * time.Millisecond
 	select {
 	case r := <-done:
-		t.Fatalf("the ADD ended while no ztunnel was connected: %v after %v", r.err, r.took)
+		t.Fatalf("the ADD ended while %s was away: %v after %v", missing, r.err, r.took)
 	case <-time.After(away):
 	}
 	if hasTable(t, pod) {
-		t.Error("the pod has a ruleset while its ADD waits for ztunnel")
+		t.Errorf("the pod has a ruleset while its ADD waits for %s", missing)
 	}
-	n.ztunnel = ztunneltest.Connect(t, n.zsock)
+	back()
 	r := <-done
 	if r.err != nil {
-		t.Fatalf("ADD with ztunnel back after %v: %v", away, r.err)
+		t.Fatalf("ADD with %s back after %v: %v", missing, away, r.err)
 	}
 	if r.took > away+5*time.Second {
-		t.Errorf("the ADD took %v with ztunnel back after %v", r.took, away)
+		t.Errorf("the ADD took %v with %s back after %v", r.took, missing, away)
 	}
 	if !hasTable(t, pod) {
 		t.Error("the pod has no ruleset after its ADD")
 	}
 	if n.ztunnel.Pod("uid-late") == nil {
-		t.Error("the new ztunnel does not hold the pod")
+		t.Error("ztunnel does not hold the pod")
 	}
-	t.Logf("the ADD asked again until ztunnel connected and enrolled the pod %v after it began", r.took.Round(time.Millisecond))
 	if err := n.del(full, rt); err != nil {
 		t.Errorf("DEL: %v", err)
 	}
+	return r.took.Round(time.Millisecond)
 }
