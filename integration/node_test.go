@@ -367,18 +367,21 @@ func testNode(t *testing.T, gen containerdtest.Generation) {
 		}
 	}
 
-	// The primary moves to cniVersion 1.1.0 (containerd 2.x then calls CNI
-	// STATUS), nftcni is upgraded to statusRequiresAgent, and the node
-	// reboots: until the agent is back STATUS fails, and the kubelet starts
-	// no pod outside the node's network namespace, so the agent's own pod
-	// must be in it (the chart makes it hostNetwork) or the node never gets
-	// an agent, nor any pod, back. The agent enrols from there as before:
-	// the ambient pods run again captured, a new one is captured.
-	n.WriteConflist(strings.Replace(rewritten, `"cniVersion": "1.0.0"`, `"cniVersion": "1.1.0"`, 1))
-	n.WaitFor("our conflist following the primary to cniVersion 1.1.0", 30*time.Second, func() bool {
-		b, _ := os.ReadFile(owned)
-		return strings.Contains(string(b), `"cniVersion": "1.1.0"`)
-	})
+	// On containerd 2.x the primary moves to cniVersion 1.1.0 (containerd
+	// then calls CNI STATUS; 1.6 reads no 1.1.0 config), nftcni is upgraded
+	// to statusRequiresAgent, and the node reboots: until the agent is back
+	// STATUS fails, and the kubelet starts no pod outside the node's network
+	// namespace, so the agent's own pod must be in it (the chart makes it
+	// hostNetwork) or the node never gets an agent, nor any pod, back. The
+	// agent enrols from there as before: the ambient pods run again
+	// captured, a new one is captured.
+	if gen.V2 {
+		n.WriteConflist(strings.Replace(rewritten, `"cniVersion": "1.0.0"`, `"cniVersion": "1.1.0"`, 1))
+		n.WaitFor("our conflist following the primary to cniVersion 1.1.0", 30*time.Second, func() bool {
+			b, _ := os.ReadFile(owned)
+			return strings.Contains(string(b), `"cniVersion": "1.1.0"`)
+		})
+	}
 	if out, err := n.Helm(append([]string{"upgrade", "nftcni", chart, "--namespace", "kube-system", "--wait", "--timeout", "120s", "--set", "statusRequiresAgent=true"}, values...)...); err != nil {
 		t.Fatalf("helm upgrade to statusRequiresAgent: %v\n%s", err, out)
 	}
