@@ -125,7 +125,7 @@ func stopIstioCNI(b *testing.B, n *nodetest.Node, a *istiotest.Agent) {
 
 // readyAgain reports, once, the time from since to the first moment a pod
 // of ns matching selector is Ready in a container other than the one
-// that ran at since (polled every 100 ms, through the API server's restart),
+// that ran at since (polled every 250 ms, through the API server's restart),
 // or nothing if ctx ends first.
 func readyAgain(ctx context.Context, n *nodetest.Node, ns, selector string, since time.Time) <-chan time.Duration {
 	old := map[string]bool{}
@@ -147,7 +147,7 @@ func readyAgain(ctx context.Context, n *nodetest.Node, ns, selector string, sinc
 					return
 				}
 			}
-			time.Sleep(100 * time.Millisecond)
+			time.Sleep(250 * time.Millisecond)
 		}
 	}()
 	return out
