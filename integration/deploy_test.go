@@ -140,6 +140,28 @@ func TestHelmChartAcceptedByAPIServer(t *testing.T) {
 	}
 }
 
+// The agent's pod is in the node's network namespace with
+// ambient.shareHostNetworkNamespace (istio-cni's value), and with
+// statusRequiresAgent, under which the kubelet starts no other pod while
+// the agent is down (TestNode reboots a node so); by default it is not.
+func TestAgentPodInTheNodesNetworkNamespace(t *testing.T) {
+	for _, tc := range []struct {
+		set     string
+		hostNet bool
+	}{{"logging.level=info", false}, {"ambient.shareHostNetworkNamespace=true", true}, {"statusRequiresAgent=true", true}} {
+		for _, o := range objects(t, render(t, "", tc.set)) {
+			if o.GetKind() != "DaemonSet" {
+				continue
+			}
+			hostNet, _, _ := unstructured.NestedBool(o.Object, "spec", "template", "spec", "hostNetwork")
+			dns, _, _ := unstructured.NestedString(o.Object, "spec", "template", "spec", "dnsPolicy")
+			if hostNet != tc.hostNet || (dns == "ClusterFirstWithHostNet") != tc.hostNet {
+				t.Errorf("--set %s: hostNetwork %v, dnsPolicy %q; want hostNetwork %v (with ClusterFirstWithHostNet)", tc.set, hostNet, dns, tc.hostNet)
+			}
+		}
+	}
+}
+
 // readiness.istiodLabel gives the agent's pods istio-cni's k8s-app label,
 // which istiod's untaint controller looks for, in every place that selects
 // them: the DaemonSet's selector and template, and the NetworkPolicy. The
