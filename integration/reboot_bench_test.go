@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"math"
 	"slices"
 	"strings"
 	"sync"
@@ -46,6 +47,7 @@ func BenchmarkNodeReboot(b *testing.B) {
 	// variant -> each round's time from down to: ztunnel's pod Ready,
 	// nftcni's agent pod Ready, the first pod running
 	ztunnelBack, agentBack, firstBack := map[string][]time.Duration{}, map[string][]time.Duration{}, map[string][]time.Duration{}
+	retries, agentCPU := map[string]float64{}, map[string]float64{} // nftcni's ADDs asked again, its agent's CPU seconds
 	variants := benchVariants(b, rebootVariants)
 	for round := 0; round < b.N; round++ {
 		order := slices.Clone(variants)
@@ -70,6 +72,12 @@ func BenchmarkNodeReboot(b *testing.B) {
 			ztunnelBack[name] = append(ztunnelBack[name], backWithin(b, ztunnel, "ztunnel's pod"))
 			if v.nftcni() {
 				agentBack[name] = append(agentBack[name], backWithin(b, agent, "nftcni's agent pod"))
+				// The agent started with the node: its counters are the reboot's.
+				m := agentMetrics(b, n)
+				if r := gauge(m, `istio_cni_plugin_requests_total{result="retry",type="add"}`); !math.IsNaN(r) { // NaN: none
+					retries[name] += r
+				}
+				agentCPU[name] += gauge(m, "process_cpu_seconds_total")
 			}
 			cancel()
 			deletePods(b, n, "reboot")
@@ -85,6 +93,8 @@ func BenchmarkNodeReboot(b *testing.B) {
 		b.ReportMetric(ms(quantile(ztunnelBack[v], 0.5)), v+"-ztunnel-ready-ms")
 		if len(agentBack[v]) > 0 {
 			b.ReportMetric(ms(quantile(agentBack[v], 0.5)), v+"-agent-ready-ms")
+			b.ReportMetric(retries[v]/float64(b.N), v+"-add-retries/round")
+			b.ReportMetric(agentCPU[v]*1e3/float64(b.N), v+"-agent-cpu-ms/round")
 		}
 	}
 	for _, v := range rebootVariants[1:] {
