@@ -69,17 +69,19 @@ func (v *nodeVariant) stop(b *testing.B) {
 	}
 }
 
-// benchVariants is all, or those of it NFTCNI_BENCH_VARIANTS names (a
-// comma-separated list), to look at some variants alone.
-func benchVariants(b *testing.B, all []string) []string {
+// benchVariants is defaults, or the variants NFTCNI_BENCH_VARIANTS names
+// (a comma-separated list) of defaults and more, to look at some alone or
+// at one the benchmark does not run by default.
+func benchVariants(b *testing.B, defaults []string, more ...string) []string {
 	env := os.Getenv("NFTCNI_BENCH_VARIANTS")
 	if env == "" {
-		return all
+		return defaults
 	}
+	known := slices.Concat(defaults, more)
 	var out []string
 	for _, v := range strings.Split(env, ",") {
-		if !slices.Contains(all, v) {
-			b.Fatalf("NFTCNI_BENCH_VARIANTS: no variant %q here (%s)", v, strings.Join(all, ", "))
+		if !slices.Contains(known, v) {
+			b.Fatalf("NFTCNI_BENCH_VARIANTS: no variant %q here (%s)", v, strings.Join(known, ", "))
 		}
 		out = append(out, v)
 	}
