@@ -403,8 +403,8 @@ func testNode(t *testing.T, gen containerdtest.Generation) {
 			t.Errorf("%s is not captured after the reboot with statusRequiresAgent", ref)
 		}
 	}
-	hostNet := runApp(t, n, "amb", "hostnet", true)
-	if !capturedOut(hostNet) {
+	later := runApp(t, n, "amb", "after-reboot", true)
+	if !capturedOut(later) {
 		t.Error("a pod enrolled by the agent in the node's network namespace is not captured")
 	}
 

@@ -361,8 +361,7 @@ func (p *Plugin) Add(args *Args, stdout io.Writer) (err error) {
 		}
 	}
 	defer wire.CloseAll(socks)
-	var again *agentError
-	if errors.As(err, &again) && again.retry {
+	if forNow(err) {
 		return newError(ErrTryAgainLater, fmt.Sprintf("nftcni: pod %s: %v", pod.Key(), err),
 			fmt.Sprintf("the ADD asked the agent for %.1f s", c.since()/1000))
 	}
@@ -469,6 +468,13 @@ func refusal(err error) bool {
 	return errors.As(err, &refused) || errors.Is(err, wire.ErrTooLarge)
 }
 
+// forNow: the agent refused for now (no ztunnel connected yet) and told
+// the plugin to ask again (wire.Message.Retry).
+func forNow(err error) bool {
+	var refused *agentError
+	return errors.As(err, &refused) && refused.retry
+}
+
 // agentWait is how long this ADD may wait for the agent: the entry's
 // agent_wait_seconds, else the plugin's default.
 func (c *call) agentWait() time.Duration {
@@ -498,8 +504,7 @@ func (c *call) awaitAgent() bool {
 // for now (no ztunnel connected yet), with time left in the ADD's wait
 // for the agent; it waits ztunnelPoll first.
 func (c *call) askAgain(err error) bool {
-	var again *agentError
-	if !errors.As(err, &again) || !again.retry || !time.Now().Add(ztunnelPoll).Before(c.began.Add(c.agentWait())) {
+	if !forNow(err) || !time.Now().Add(ztunnelPoll).Before(c.began.Add(c.agentWait())) {
 		return false
 	}
 	if c.agent != nil { // the agent ends the conversation with its refusal
