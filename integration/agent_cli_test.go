@@ -64,7 +64,7 @@ func buildBinaries(dir string) error {
 		experiment string
 		pkgs       []string
 	}{
-		{exp, []string{"../plugin/cmd/nftcni", "./cmd/nullplugin", "./cmd/askplugin", "./cmd/hello"}}, // the plugin and its benchmark baselines
+		{exp, []string{"../plugin/cmd/nftcni", "./cmd/nullplugin", "./cmd/askplugin", "./cmd/hello", "./cmd/ztunnel-gate"}}, // the plugin and its benchmark baselines
 		{"", []string{"../agent/cmd/nftcni-agent", "./cmd/nodeapp", "./cmd/ztunnel-stub"}},
 	} {
 		build := exec.Command("go", append([]string{"build", "-trimpath", "-ldflags", "-s -w", "-o", staging + "/"}, b.pkgs...)...)

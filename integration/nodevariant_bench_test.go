@@ -2,13 +2,16 @@ package integration
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
+	"github.com/tidwall/sjson"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/nftcni/nftcni/integration/istiotest"
@@ -16,9 +19,10 @@ import (
 )
 
 // nodeVariant is what runs on a node benchmark's node besides the primary:
-// nothing ("bare", "bare+annotation"), nftcni's chart ("nftcni"; its agent
-// in the node's network namespace: "nftcni-hostnet"), or Istio's CNI
-// ("istio-cni").
+// nothing ("bare", "bare+annotation"), the least an ambient CNI does
+// ("gate": ztunnel-gate holds each mesh pod's ADD until ztunnel is
+// connected), nftcni's chart ("nftcni"; its agent in the node's network
+// namespace: "nftcni-hostnet"), or Istio's CNI ("istio-cni").
 type nodeVariant struct {
 	name  string
 	n     *nodetest.Node
@@ -36,6 +40,12 @@ func startVariant(b *testing.B, n *nodetest.Node, imageValues []string, name str
 		helmInstall(b, n, slices.Concat(imageValues, []string{"--set", "ambient.shareHostNetworkNamespace=true"}), "chained")
 	case "istio-cni":
 		v.istio = startIstioCNI(b, n)
+	case "gate":
+		startGate(b, n)
+		n.WaitFor("the ztunnel stand-in connected to ztunnel-gate", 3*time.Minute, func() bool {
+			_, err := os.Stat(n.Path(gateFile))
+			return err == nil
+		})
 	}
 	return v
 }
@@ -56,6 +66,9 @@ func (v *nodeVariant) rebooted(b *testing.B) {
 		v.istio.Stop() // gone with the node
 		v.istio = startIstioCNI(b, v.n)
 	}
+	if v.name == "gate" {
+		v.n.Service("ztunnel-gate", nil, filepath.Join(v.n.BinDir, "ztunnel-gate"), "serve", gateSocket, gateFile)
+	}
 }
 
 // stop leaves the node bare again.
@@ -66,7 +79,39 @@ func (v *nodeVariant) stop(b *testing.B) {
 		helmUninstall(b, v.n)
 	case v.istio != nil:
 		stopIstioCNI(b, v.n, v.istio)
+	case v.name == "gate":
+		for _, pid := range v.n.Processes("ztunnel-gate") {
+			_ = syscall.Kill(pid, syscall.SIGKILL)
+		}
+		v.n.WritePrimaryConflist()
+		_ = os.Remove(v.n.Path(gateSocket))
+		_ = os.Remove(v.n.Path(gateFile))
 	}
+}
+
+// Where ztunnel-gate serves ztunnel (the path the stand-in dials) and the
+// file it creates once ztunnel is connected (on the node's /run: gone with
+// a reboot).
+const (
+	gateSocket = "/run/ztunnel/ztunnel.sock"
+	gateFile   = "/run/ztunnel-gate/open"
+)
+
+// startGate chains ztunnel-gate after the primary, holding the ADDs of the
+// reboot benchmark's namespace for up to 30 s (nftcni's default wait for
+// its agent), and starts its ZDS end as a service of the node.
+func startGate(b *testing.B, n *nodetest.Node) {
+	b.Helper()
+	if err := installFile(filepath.Join(binDir, "ztunnel-gate"), filepath.Join(n.BinDir, "ztunnel-gate")); err != nil {
+		b.Fatal(err)
+	}
+	entry := fmt.Sprintf(`{"type": "ztunnel-gate", "namespace": "reboot", "gate": %q, "wait_seconds": 30}`, gateFile)
+	doc, err := sjson.SetRaw(n.PrimaryConflist(), "plugins.-1", entry)
+	if err != nil {
+		b.Fatal(err)
+	}
+	n.WriteConflist(doc)
+	n.Service("ztunnel-gate", nil, filepath.Join(n.BinDir, "ztunnel-gate"), "serve", gateSocket, gateFile)
 }
 
 // benchVariants is defaults, or the variants NFTCNI_BENCH_VARIANTS names

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -22,6 +23,9 @@ import (
 // and the pods' netns on the node's /run are gone, its disk stays), and
 // the kubelet starts every pod again. Timed per pod from the moment the
 // node went down to its new container running, on the bare node, with
+// ztunnel-gate, the machine's bound for any ambient CNI (a minimal chained
+// plugin holds each mesh pod's ADD until ztunnel is connected to a minimal
+// ZDS end started with the node's services; it captures nothing), with
 // nftcni (its agent a DaemonSet pod the kubelet restarts too;
 // NFTCNI_BENCH_VARIANTS=...,nftcni-hostnet adds it in the node's network
 // namespace, ambient.shareHostNetworkNamespace) and with Istio's CNI (its
@@ -33,7 +37,8 @@ import (
 // (and retried) meanwhile, the time to the first pod running, to
 // ztunnel's pod and to nftcni's agent pod Ready again (medians over
 // rounds; for nftcni also its ADDs the agent told to ask again and its
-// agent's CPU time), and the p99 ratios with their bootstrap interval over rounds.
+// agent's CPU time), and the p99 ratios to the bare node's and nftcni's to
+// the bound's, with their bootstrap interval over rounds.
 func BenchmarkNodeReboot(b *testing.B) {
 	const size = 100
 	gen := containerd2(b)
@@ -49,6 +54,7 @@ func BenchmarkNodeReboot(b *testing.B) {
 	// nftcni's agent pod Ready, the first pod running
 	ztunnelBack, agentBack, firstBack := map[string][]time.Duration{}, map[string][]time.Duration{}, map[string][]time.Duration{}
 	retries, agentCPU := map[string]float64{}, map[string]float64{} // nftcni's ADDs asked again, its agent's CPU seconds
+	var gateOpen []time.Duration                                    // each round's time from down to ztunnel connected to ztunnel-gate
 	variants := benchVariants(b, rebootVariants, "nftcni-hostnet")
 	for round := 0; round < b.N; round++ {
 		order := slices.Clone(variants)
@@ -64,6 +70,13 @@ func BenchmarkNodeReboot(b *testing.B) {
 			v.rebooted(b)
 			back := restarted(b, n, "reboot", ids, down)
 			failed[name] += failedSandboxes(b, n, logAt)
+			if name == "gate" {
+				opened := gateOpened(b, n).Sub(down)
+				if first := slices.Min(back); first < opened {
+					b.Fatalf("a pod held by ztunnel-gate ran %v after the node went down, before ztunnel connected (%v)", first, opened)
+				}
+				gateOpen = append(gateOpen, opened)
+			}
 			if v.enrolled() {
 				requireCaptured(b, n, "reboot")
 			}
@@ -98,6 +111,9 @@ func BenchmarkNodeReboot(b *testing.B) {
 			b.ReportMetric(agentCPU[v]*1e3/float64(b.N), v+"-agent-cpu-ms/round")
 		}
 	}
+	if len(gateOpen) > 0 {
+		b.ReportMetric(ms(quantile(gateOpen, 0.5)), "gate-ztunnel-connected-ms")
+	}
 	for _, v := range variants {
 		if v == "bare" {
 			continue
@@ -106,6 +122,21 @@ func BenchmarkNodeReboot(b *testing.B) {
 		b.ReportMetric(r, "p99-"+v+"/bare")
 		b.Logf("reboot with %d pods, %d rounds: p99 %s/bare %.3fx (90%% of round resamples %.3f–%.3fx)", size, b.N, v, r, lo, hi)
 	}
+	// Against the bound: what any ambient CNI must wait for.
+	if r, lo, hi := addedRatio(p99s, "nftcni", "gate", ""); !math.IsNaN(r) {
+		b.ReportMetric(r, "p99-nftcni/gate")
+		b.Logf("reboot with %d pods, %d rounds: p99 nftcni/gate %.3fx (90%% of round resamples %.3f–%.3fx)", size, b.N, r, lo, hi)
+	}
+}
+
+// gateOpened is when ztunnel-gate saw ztunnel connect after the reboot:
+// its gate file's time.
+func gateOpened(b *testing.B, n *nodetest.Node) time.Time {
+	st, err := os.Stat(n.Path(gateFile))
+	if err != nil {
+		b.Fatalf("ztunnel-gate's gate after the reboot: %v", err)
+	}
+	return st.ModTime()
 }
 
 // backWithin is what readyAgain reports, failing if it has not within a
@@ -122,7 +153,7 @@ func backWithin(b *testing.B, c <-chan time.Duration, what string) time.Duration
 
 // rebootVariants run by default; nftcni-hostnet (the agent's pod
 // hostNetwork) on request: its agent came back no sooner (docs/benchmarks.md).
-var rebootVariants = []string{"bare", "nftcni", "istio-cni"}
+var rebootVariants = []string{"bare", "gate", "nftcni", "istio-cni"}
 
 // restarted waits until every pod of ids (name -> its container before the
 // reboot) runs a new container, and returns each one's time from down.
