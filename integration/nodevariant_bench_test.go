@@ -7,7 +7,6 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -80,9 +79,7 @@ func (v *nodeVariant) stop(b *testing.B) {
 	case v.istio != nil:
 		stopIstioCNI(b, v.n, v.istio)
 	case v.name == "gate":
-		for _, pid := range v.n.Processes("ztunnel-gate") {
-			_ = syscall.Kill(pid, syscall.SIGKILL)
-		}
+		v.n.StopService("ztunnel-gate")
 		v.n.WritePrimaryConflist()
 		_ = os.Remove(v.n.Path(gateSocket))
 		_ = os.Remove(v.n.Path(gateFile))

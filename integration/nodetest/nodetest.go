@@ -74,6 +74,7 @@ type Node struct {
 	init                 *exec.Cmd
 	pid                  int
 	services             []string
+	running              map[string]*exec.Cmd // a service's process, by name
 }
 
 // Start brings up the node with gen's containerd and waits until the Node
@@ -394,6 +395,20 @@ func (n *Node) Service(name string, env []string, bin string, args ...string) {
 	}
 	go func() { _ = cmd.Wait() }()
 	n.services = append(n.services, name)
+	if n.running == nil {
+		n.running = map[string]*exec.Cmd{}
+	}
+	n.running[name] = cmd
+}
+
+// StopService kills the service name and its process inside the node (its
+// session: nsenter and what it runs), e.g. a variant's own service before
+// the next one runs.
+func (n *Node) StopService(name string) {
+	if cmd := n.running[name]; cmd != nil {
+		_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+		delete(n.running, name)
+	}
 }
 
 // openLog opens logs/NAME.log for appending: a reboot keeps what was
@@ -506,7 +521,7 @@ func (n *Node) Reboot(beforeServices func()) {
 	if beforeServices != nil {
 		beforeServices()
 	}
-	n.services = nil
+	n.services, n.running = nil, nil // dead with the node
 	n.boot()
 }
 
