@@ -288,6 +288,9 @@ func addedRatio(samples map[string][]time.Duration, v, ref, base string) (ratio,
 	median := func(xs []float64) float64 {
 		s := slices.Clone(xs)
 		slices.Sort(s)
+		if len(s)%2 == 0 {
+			return (s[len(s)/2-1] + s[len(s)/2]) / 2
+		}
 		return s[len(s)/2]
 	}
 	of := func(rounds []int) float64 {
@@ -467,4 +470,17 @@ func criVariants(b *testing.B, gen containerdtest.Generation, i int) (map[string
 		"plain":    {n, "", "plain"},
 		"enrolled": {n, "", "mesh"},
 	}, n
+}
+
+// The median of an even number of rounds is the mean of the middle two:
+// with two rounds, taking the upper one reported the slower round's ratio.
+func TestAddedRatioMedianOfEvenRounds(t *testing.T) {
+	s := map[string][]time.Duration{"v": {2, 4}, "ref": {1, 1}}
+	if r, _, _ := addedRatio(s, "v", "ref", ""); r != 3 {
+		t.Errorf("two rounds, v 2 and 4 over ref 1: ratio %v, want 3", r)
+	}
+	s = map[string][]time.Duration{"v": {2, 4, 9}, "ref": {1, 1, 1}}
+	if r, _, _ := addedRatio(s, "v", "ref", ""); r != 4 {
+		t.Errorf("three rounds, v 2, 4, 9 over ref 1: ratio %v, want 4", r)
+	}
 }

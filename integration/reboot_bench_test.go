@@ -82,6 +82,8 @@ func BenchmarkNodeReboot(b *testing.B) {
 			}
 			pods[name] = append(pods[name], back...)
 			p99s[name] = append(p99s[name], quantile(back, 0.99))
+			b.Logf("round %d of %d, %s (%d of %d): p99 %.1f s, first pod %.1f s", round+1, b.N, name,
+				slices.Index(order, name)+1, len(order), quantile(back, 0.99).Seconds(), slices.Min(back).Seconds())
 			firstBack[name] = append(firstBack[name], slices.Min(back))
 			ztunnelBack[name] = append(ztunnelBack[name], backWithin(b, ztunnel, "ztunnel's pod"))
 			if v.nftcni() {
