@@ -24,6 +24,7 @@ import (
 	"github.com/nftcni/nftcni/agent/enablement"
 	"github.com/nftcni/nftcni/agent/events"
 	"github.com/nftcni/nftcni/agent/podsource"
+	"github.com/nftcni/nftcni/agent/procscan"
 	"github.com/nftcni/nftcni/agent/records"
 	"github.com/nftcni/nftcni/agent/zds"
 	"github.com/nftcni/nftcni/capture"
@@ -242,13 +243,17 @@ func (p *fakePlugin) Outcome() (*wire.Timings, error) {
 type fakeFinder struct {
 	l     *trail
 	netns map[string]*os.File
+	fail  map[string]error // by UID: the scan itself fails
 }
 
 func (f *fakeFinder) Find(uid string, ips []netip.Addr) (*os.File, error) {
 	f.l.add("find %s", uid)
+	if err := f.fail[uid]; err != nil {
+		return nil, err
+	}
 	n, ok := f.netns[uid]
 	if !ok {
-		return nil, errors.New("no process of the pod in /proc")
+		return nil, fmt.Errorf("%w (uid %s)", procscan.ErrNotFound, uid) // as procscan says it
 	}
 	return os.Open(n.Name()) // the Enroller owns what Find returns
 }
@@ -877,6 +882,45 @@ func TestAdoptionThroughProc(t *testing.T) {
 	r.expect("zt.Track uid-a", "zt.Track uid-c", `annotate plain/b=""`)
 	if got := r.dump("b"); got != "" {
 		t.Errorf("rules left on a pod no longer selected:\n%s", got)
+	}
+}
+
+// After a reboot no annotated pod has a netns: each is kept in ztunnel's
+// snapshot, counted in the restore's summary, and not warned of one by
+// one (a rebooted node with 100 pods logged 100 warnings). A /proc scan
+// that fails is still a warning.
+func TestAdoptionAfterARebootWarnsOnlyOfFailedScans(t *testing.T) {
+	r := newRig(t)
+	r.namespace("mesh", true)
+	enabled := map[string]string{istio.AnnRedirection: "enabled"}
+	for _, name := range []string{"a", "b", "c"} {
+		r.pod("mesh", name, "uid-"+name, "10.0.0.5").Annotations = enabled // its sandbox gone with the reboot
+	}
+	r.finder.fail = map[string]error{"uid-c": os.ErrPermission}
+	var out strings.Builder
+	r.e.log = slog.New(slog.NewTextHandler(&out, &slog.HandlerOptions{Level: slog.LevelDebug}))
+
+	if _, kept, _ := r.e.AdoptAnnotated(context.Background()); kept != 3 {
+		t.Fatalf("kept %d, want 3", kept)
+	}
+	var warned, debugged []string
+	for _, line := range strings.Split(out.String(), "\n") {
+		if !strings.Contains(line, "netns was not found") {
+			continue
+		}
+		_, pod, _ := strings.Cut(line, " pod=")
+		pod = strings.Fields(pod)[0]
+		switch {
+		case strings.Contains(line, "level=WARN"):
+			warned = append(warned, pod)
+		case strings.Contains(line, "level=DEBUG"):
+			debugged = append(debugged, pod)
+		}
+	}
+	slices.Sort(warned)
+	slices.Sort(debugged)
+	if !slices.Equal(warned, []string{"mesh/c"}) || !slices.Equal(debugged, []string{"mesh/a", "mesh/b"}) {
+		t.Errorf("warned of %v, at debug %v; want the failed scan (mesh/c) warned, the gone sandboxes at debug:\n%s", warned, debugged, out.String())
 	}
 }
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"sync"
 
@@ -11,6 +12,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/nftcni/nftcni/agent/enablement"
+	"github.com/nftcni/nftcni/agent/procscan"
 	"github.com/nftcni/nftcni/agent/records"
 	"github.com/nftcni/nftcni/internal/netnsaddr"
 	"github.com/nftcni/nftcni/istio"
@@ -259,7 +261,14 @@ func (e *Enroller) adoptOne(ctx context.Context, kp *corev1.Pod) adoptOutcome {
 		}
 	case d.Mode == wire.ModeAmbient:
 		e.keepInZtunnel(kp)
-		e.log.Warn("pod annotated as enrolled but its netns was not found; kept in ztunnel's snapshot without one", "pod", key, "err", err)
+		// No process of the pod runs: its sandbox is gone (every pod
+		// after a reboot) and its next ADD enrols it; the restore's
+		// summary counts these. Anything else is a scan that failed.
+		lvl := slog.LevelWarn
+		if errors.Is(err, procscan.ErrNotFound) {
+			lvl = slog.LevelDebug
+		}
+		e.log.Log(ctx, lvl, "pod annotated as enrolled but its netns was not found; kept in ztunnel's snapshot without one", "pod", key, "err", err)
 		return outcomeKept
 	case err == nil:
 		p.mu.Lock()
