@@ -64,6 +64,10 @@ func NewClient(cfg *rest.Config) (*Client, error) {
 		// already made for the kubelet's watch of the same pods.
 		c.ContentType = runtime.ContentTypeProtobuf
 		c.AcceptContentTypes = runtime.ContentTypeProtobuf + "," + runtime.ContentTypeJSON
+		// Uncompressed: the API server (1.37) gzips each watcher's stream
+		// on its own, and both ends pay the CPU for an agent whose traffic
+		// is its own node's pods (SIG Scalability's trade, kubernetes#112296).
+		c.DisableCompression = true
 		if c.UserAgent == "" {
 			c.UserAgent = rest.DefaultKubernetesUserAgent()
 		}

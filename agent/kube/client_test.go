@@ -3,6 +3,7 @@ package kube
 import (
 	"bytes"
 	"context"
+	"encoding/pem"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -55,14 +56,14 @@ func samplePod() *corev1.Pod {
 }
 
 // TestClientSpeaksProtobuf: the agent asks the API server for protobuf
-// (JSON as the fallback), decodes the protobuf it gets back, and still
-// sends its patches as the patch type they are.
+// (JSON as the fallback), uncompressed, decodes the protobuf it gets back,
+// and still sends its patches as the patch type they are.
 func TestClientSpeaksProtobuf(t *testing.T) {
 	pb := encoder(t, runtime.ContentTypeProtobuf)
 	var mu sync.Mutex
 	seen := map[string]http.Header{} // method -> the request's headers
 	bodies := map[string]string{}
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	srv := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		body, _ := io.ReadAll(r.Body)
 		mu.Lock()
 		seen[r.Method], bodies[r.Method] = r.Header.Clone(), string(body)
@@ -80,7 +81,10 @@ func TestClientSpeaksProtobuf(t *testing.T) {
 		w.Write(buf.Bytes())
 	}))
 	defer srv.Close()
-	c, err := NewClient(&rest.Config{Host: srv.URL})
+	// TLS, as every API server is: without a TLS config client-go uses
+	// Go's default transport and ignores the compression setting.
+	ca := pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: srv.Certificate().Raw})
+	c, err := NewClient(&rest.Config{Host: srv.URL, TLSClientConfig: rest.TLSClientConfig{CAData: ca}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -95,6 +99,9 @@ func TestClientSpeaksProtobuf(t *testing.T) {
 	}
 	if a := seen[http.MethodGet].Get("Accept"); !strings.HasPrefix(a, runtime.ContentTypeProtobuf+",") {
 		t.Errorf("list Accept %q, want protobuf first", a)
+	}
+	if e := seen[http.MethodGet].Get("Accept-Encoding"); e != "" {
+		t.Errorf("list Accept-Encoding %q, want none (uncompressed)", e)
 	}
 
 	patch := `{"metadata":{"annotations":{"ambient.istio.io/redirection":"enabled"}}}`
