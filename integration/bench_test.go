@@ -263,6 +263,16 @@ func reportQuantiles(b *testing.B, order []string, samples map[string][]time.Dur
 	return q
 }
 
+// median of xs: of an even count, the mean of the middle two.
+func median(xs []float64) float64 {
+	s := slices.Clone(xs)
+	slices.Sort(s)
+	if len(s)%2 == 0 {
+		return (s[len(s)/2-1] + s[len(s)/2]) / 2
+	}
+	return s[len(s)/2]
+}
+
 // addedRatio compares what two variants add over base, round by round: the
 // median over rounds of (v − base) divided by that of (ref − base), with
 // the 5th and 95th percentiles of the same ratio over bootstrap resamples
@@ -284,14 +294,6 @@ func addedRatio(samples map[string][]time.Duration, v, ref, base string) (ratio,
 			return float64(samples[variant][r])
 		}
 		return float64(samples[variant][r] - samples[base][r])
-	}
-	median := func(xs []float64) float64 {
-		s := slices.Clone(xs)
-		slices.Sort(s)
-		if len(s)%2 == 0 {
-			return (s[len(s)/2-1] + s[len(s)/2]) / 2
-		}
-		return s[len(s)/2]
 	}
 	of := func(rounds []int) float64 {
 		dv, dr := make([]float64, len(rounds)), make([]float64, len(rounds))

@@ -60,10 +60,11 @@ func BenchmarkNodeBurst(b *testing.B) {
 	variants := benchVariants(b, burstVariants)
 	for _, size := range []int{50, 100} {
 		b.Run(fmt.Sprint(size), func(b *testing.B) {
-			pods := map[string][]time.Duration{}    // variant -> every pod's start
-			p99s := map[string][]time.Duration{}    // variant -> each round's p99
-			sli := map[string]map[float64]float64{} // variant -> histogram bucket deltas
-			failed := map[string]int{}              // variant -> sandboxes the kubelet failed to create
+			pods := map[string][]time.Duration{}          // variant -> every pod's start
+			p99s := map[string][]time.Duration{}          // variant -> each round's p99
+			sli := map[string]map[float64]float64{}       // variant -> histogram bucket deltas
+			failed := map[string]int{}                    // variant -> sandboxes the kubelet failed to create
+			services := map[string]map[string][]float64{} // variant -> service -> each round's CPU ms a pod
 			var share burstShare
 			for round := 0; round < b.N; round++ {
 				order := slices.Clone(variants)
@@ -75,9 +76,11 @@ func BenchmarkNodeBurst(b *testing.B) {
 					if name == "nftcni" {
 						m0 = agentMetrics(b, n)
 					}
+					cpu0 := serviceCPU(b)
 					prefix := fmt.Sprintf("r%d", round)
 					starts := burst(b, n, "burst", prefix, size, burstOptions{
 						patch: name == "bare+annotation", enrolled: v.enrolled()})
+					addCPU(services, name, serviceCPU(b), cpu0, size)
 					sli[name] = addBuckets(sli[name], subBuckets(kubelet(b), before))
 					failed[name] += failedSandboxes(b, n, logAt)
 					pods[name] = append(pods[name], starts...)
@@ -97,6 +100,13 @@ func BenchmarkNodeBurst(b *testing.B) {
 				b.ReportMetric(bucketQuantile(sli[v], 0.5)*1e3, v+"-sli-ms-p50")
 				b.ReportMetric(bucketQuantile(sli[v], 0.99)*1e3, v+"-sli-ms-p99")
 				b.ReportMetric(float64(failed[v]), v+"-failed-sandboxes")
+				for _, svc := range nodeServices {
+					b.ReportMetric(median(services[v][svc]), v+"-"+svc+"-cpu-ms/pod")
+				}
+			}
+			for _, v := range variants {
+				b.Logf("%d pods at once, %s: CPU a pod (median over rounds) kube-apiserver %.1f ms, kubelet %.1f ms, containerd with the CNI plugins %.1f ms",
+					size, v, median(services[v]["kube-apiserver"]), median(services[v]["kubelet"]), median(services[v]["containerd"]))
 			}
 			share.report(b)
 			r, lo, hi := addedRatio(p99s, "nftcni", "bare", "")
@@ -204,6 +214,58 @@ func (s *burstShare) report(b *testing.B) {
 	}
 	b.Logf("nftcni's share: agent CPU %.2f ms a pod; the ADD's wait on the agent p50 %.1f ms, p99 %.1f ms (to the annotation p50 %.1f ms); plugin decided p50 %.2f ms, programmed p50 %.2f ms, p99 %.2f ms (%d of %d pods' ADDs logged)",
 		s.cpu*1e3/float64(s.pods), q(s.ready, 0.5), q(s.ready, 0.99), q(s.done, 0.5), q(s.decided, 0.5), q(s.programmed, 0.5), q(s.programmed, 0.99), len(s.ready), s.pods)
+}
+
+// nodeServices are the node's processes whose CPU a burst reports: the
+// API server (every pod's writes and watch events; on this machine it
+// shares the node's two cores), the kubelet, and containerd with what it
+// ran and reaped (the CNI plugins, runc).
+var nodeServices = []string{"kube-apiserver", "kubelet", "containerd"}
+
+// serviceCPU is each node service's CPU seconds so far: its own, and, for
+// containerd, its reaped children's. One node runs on the machine at a
+// time, so a service is every host process of that name.
+func serviceCPU(b *testing.B) map[string]float64 {
+	b.Helper()
+	out := map[string]float64{}
+	dirs, err := os.ReadDir("/proc")
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, d := range dirs {
+		stat, err := os.ReadFile("/proc/" + d.Name() + "/stat")
+		if err != nil {
+			continue // not a process, or gone
+		}
+		// pid (comm) state ppid ...: comm may hold spaces; fields follow
+		// the last ')'.
+		open, end := strings.IndexByte(string(stat), '('), strings.LastIndexByte(string(stat), ')')
+		if open < 0 || end < open {
+			continue
+		}
+		comm := string(stat[open+1 : end])
+		if !slices.Contains(nodeServices, comm) {
+			continue
+		}
+		f := strings.Fields(string(stat[end+1:])) // f[0] is field 3 (state)
+		ticks := func(field int) float64 { v, _ := strconv.ParseFloat(f[field-3], 64); return v }
+		t := ticks(14) + ticks(15) // utime, stime
+		if comm == "containerd" {
+			t += ticks(16) + ticks(17) // cutime, cstime: the plugins and runc it reaped
+		}
+		out[comm] += t / 100 // USER_HZ
+	}
+	return out
+}
+
+// addCPU adds one burst's CPU ms a pod, per service, to a variant's rounds.
+func addCPU(to map[string]map[string][]float64, variant string, after, before map[string]float64, pods int) {
+	if to[variant] == nil {
+		to[variant] = map[string][]float64{}
+	}
+	for _, svc := range nodeServices {
+		to[variant][svc] = append(to[variant][svc], (after[svc]-before[svc])*1e3/float64(pods))
+	}
 }
 
 // agentMetrics is the agent's /metrics text, on its metrics port.
