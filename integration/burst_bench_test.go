@@ -105,7 +105,7 @@ func BenchmarkNodeBurst(b *testing.B) {
 				}
 			}
 			for _, v := range variants {
-				b.Logf("%d pods at once, %s: CPU a pod (median over rounds) kube-apiserver %.1f ms, kubelet %.1f ms, containerd with the CNI plugins %.1f ms",
+				b.Logf("%d pods at once, %s: CPU a pod, its start and deletion (median over rounds): kube-apiserver %.1f ms, kubelet %.1f ms, containerd with the CNI plugins %.1f ms",
 					size, v, median(services[v]["kube-apiserver"]), median(services[v]["kubelet"]), median(services[v]["containerd"]))
 			}
 			share.report(b)
@@ -216,10 +216,11 @@ func (s *burstShare) report(b *testing.B) {
 		s.cpu*1e3/float64(s.pods), q(s.ready, 0.5), q(s.ready, 0.99), q(s.done, 0.5), q(s.decided, 0.5), q(s.programmed, 0.5), q(s.programmed, 0.99), len(s.ready), s.pods)
 }
 
-// nodeServices are the node's processes whose CPU a burst reports: the
-// API server (every pod's writes and watch events; on this machine it
-// shares the node's two cores), the kubelet, and containerd with what it
-// ran and reaped (the CNI plugins, runc).
+// nodeServices are the node's processes whose CPU a burst reports (the
+// pods' start and their deletion): the API server (every pod's writes and
+// watch events; on this machine it shares the node's two cores), the
+// kubelet, and containerd with the CNI plugins it ran and reaped (runc
+// runs under the shims, which are not counted).
 var nodeServices = []string{"kube-apiserver", "kubelet", "containerd"}
 
 // serviceCPU is each node service's CPU seconds so far: its own, and, for
@@ -251,7 +252,7 @@ func serviceCPU(b *testing.B) map[string]float64 {
 		ticks := func(field int) float64 { v, _ := strconv.ParseFloat(f[field-3], 64); return v }
 		t := ticks(14) + ticks(15) // utime, stime
 		if comm == "containerd" {
-			t += ticks(16) + ticks(17) // cutime, cstime: the plugins and runc it reaped
+			t += ticks(16) + ticks(17) // cutime, cstime: the CNI plugins it reaped
 		}
 		out[comm] += t / 100 // USER_HZ
 	}
