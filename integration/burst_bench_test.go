@@ -100,13 +100,13 @@ func BenchmarkNodeBurst(b *testing.B) {
 				b.ReportMetric(bucketQuantile(sli[v], 0.5)*1e3, v+"-sli-ms-p50")
 				b.ReportMetric(bucketQuantile(sli[v], 0.99)*1e3, v+"-sli-ms-p99")
 				b.ReportMetric(float64(failed[v]), v+"-failed-sandboxes")
+				cpu := fmt.Sprintf("%d pods at once, %s: CPU a pod, its start and deletion (median over rounds):", size, v)
 				for _, svc := range nodeServices {
-					b.ReportMetric(median(services[v][svc]), v+"-"+svc+"-cpu-ms/pod")
+					ms := median(services[v][svc])
+					b.ReportMetric(ms, v+"-"+svc+"-cpu-ms/pod")
+					cpu += fmt.Sprintf(" %s %.1f ms", svc, ms)
 				}
-			}
-			for _, v := range variants {
-				b.Logf("%d pods at once, %s: CPU a pod, its start and deletion (median over rounds): kube-apiserver %.1f ms, kubelet %.1f ms, containerd with the CNI plugins %.1f ms",
-					size, v, median(services[v]["kube-apiserver"]), median(services[v]["kubelet"]), median(services[v]["containerd"]))
+				b.Log(cpu)
 			}
 			share.report(b)
 			r, lo, hi := addedRatio(p99s, "nftcni", "bare", "")
@@ -225,7 +225,9 @@ var nodeServices = []string{"kube-apiserver", "kubelet", "containerd"}
 
 // serviceCPU is each node service's CPU seconds so far: its own, and, for
 // containerd, its reaped children's. One node runs on the machine at a
-// time, so a service is every host process of that name.
+// time, so a service is every host process of that name. From
+// /proc/PID/stat, not cpuTime's schedstat: only stat keeps the time of
+// threads that ended and of children reaped.
 func serviceCPU(b *testing.B) map[string]float64 {
 	b.Helper()
 	out := map[string]float64{}
