@@ -65,6 +65,7 @@ func BenchmarkNodeBurst(b *testing.B) {
 			sli := map[string]map[float64]float64{}       // variant -> histogram bucket deltas
 			failed := map[string]int{}                    // variant -> sandboxes the kubelet failed to create
 			services := map[string]map[string][]float64{} // variant -> service -> each round's CPU ms a pod
+			teardowns := map[string][]time.Duration{}     // variant -> each round's stopping after the pods left the API
 			var share burstShare
 			for round := 0; round < b.N; round++ {
 				order := slices.Clone(variants)
@@ -78,8 +79,9 @@ func BenchmarkNodeBurst(b *testing.B) {
 					}
 					cpu0 := serviceCPU(b)
 					prefix := fmt.Sprintf("r%d", round)
-					starts := burst(b, n, "burst", prefix, size, burstOptions{
+					starts, teardown := burst(b, n, "burst", prefix, size, burstOptions{
 						patch: name == "bare+annotation", enrolled: v.enrolled()})
+					teardowns[name] = append(teardowns[name], teardown)
 					addCPU(services, name, serviceCPU(b), cpu0, size)
 					sli[name] = addBuckets(sli[name], subBuckets(kubelet(b), before))
 					failed[name] += failedSandboxes(b, n, logAt)
@@ -100,7 +102,10 @@ func BenchmarkNodeBurst(b *testing.B) {
 				b.ReportMetric(bucketQuantile(sli[v], 0.5)*1e3, v+"-sli-ms-p50")
 				b.ReportMetric(bucketQuantile(sli[v], 0.99)*1e3, v+"-sli-ms-p99")
 				b.ReportMetric(float64(failed[v]), v+"-failed-sandboxes")
-				cpu := fmt.Sprintf("%d pods at once, %s: CPU a pod, its start and deletion (median over rounds):", size, v)
+				td := quantile(teardowns[v], 0.5)
+				b.ReportMetric(ms(td), v+"-teardown-ms")
+				cpu := fmt.Sprintf("%d pods at once, %s: stopped %.1f s after they left the API; CPU a pod, its start and deletion (median over rounds):",
+					size, v, td.Seconds())
 				for _, svc := range nodeServices {
 					ms := median(services[v][svc])
 					b.ReportMetric(ms, v+"-"+svc+"-cpu-ms/pod")
@@ -370,12 +375,13 @@ func rotate(s []string, r int) {
 }
 
 // burst creates size pods at once and returns, for each, the time from
-// its creation to its container running, then deletes them and waits
-// until they are gone.
-func burst(b *testing.B, n *nodetest.Node, ns, prefix string, size int, o burstOptions) []time.Duration {
+// its creation to its container running; then it deletes them, waits
+// until the node has stopped them, and returns how long that took after
+// the API server forgot them.
+func burst(b *testing.B, n *nodetest.Node, ns, prefix string, size int, o burstOptions) ([]time.Duration, time.Duration) {
 	starts, _ := createPods(b, n, ns, prefix, size, o)
-	deletePods(b, n, ns)
-	return starts
+	teardown := deletePods(b, n, ns)
+	return starts, teardown
 }
 
 // createPods creates size pods at once and returns, for each, the time
@@ -494,8 +500,14 @@ func watchPods(ctx context.Context, n *nodetest.Node, ns string, seen func(*core
 	return done
 }
 
-// deletePods deletes every pod of ns and waits until they are gone.
-func deletePods(b *testing.B, n *nodetest.Node, ns string) {
+// deletePods deletes every pod of ns, waits until the API server has
+// forgotten them and the node has stopped them, and removes their
+// sandboxes (nodetest.RemovePodSandboxes). It returns the time the node
+// took to stop them once the API server had forgotten them. Force-deleted
+// pods leave the API at once: without the wait, the next variant's burst
+// would share the node with this one's teardown, and a variant whose
+// start takes seconds (a chart to install) would leave it less of it.
+func deletePods(b *testing.B, n *nodetest.Node, ns string) time.Duration {
 	ctx := context.Background()
 	if err := n.Client.CoreV1().Pods(ns).DeleteCollection(ctx, metav1.DeleteOptions{GracePeriodSeconds: ptr(int64(0))}, metav1.ListOptions{}); err != nil {
 		b.Fatal(err)
@@ -504,6 +516,11 @@ func deletePods(b *testing.B, n *nodetest.Node, ns string) {
 		l, err := n.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
 		return err == nil && len(l.Items) == 0
 	})
+	took, err := n.RemovePodSandboxes(ns, 5*time.Minute)
+	if err != nil {
+		b.Fatal(err)
+	}
+	return took
 }
 
 // helmUninstall removes the chart and waits for the agent's pod to go.
