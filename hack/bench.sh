@@ -173,9 +173,10 @@ for size in 50 100; do
 	printf "    p99 nftcni / bare: %sx (median over rounds; 90%% of round resamples %s-%sx)\n" "$(bm p99-nftcni/bare)" "$(bm p99-nftcni/bare-p5)" "$(bm p99-nftcni/bare-p95)"
 	printf "    p99 istio-cni / bare: %sx (%s-%sx)\n" "$(bm p99-istio/bare)" "$(bm p99-istio/bare-p5)" "$(bm p99-istio/bare-p95)"
 	printf "    what nftcni adds to the bare p99 over what Istio's CNI adds: %s\n" "$(bm p99-added-nftcni/istio)"
-	echo "    CPU a pod, ms: kube-apiserver / kubelet / containerd with the CNI plugins (nftcni's agent: $(bm agent-cpu-ms/pod))"
+	printf "    p99 nftcni / bare+annotation (the one API write any ambient CNI makes): %sx (%s-%sx)\n" "$(bm p99-nftcni/annotation)" "$(bm p99-nftcni/annotation-p5)" "$(bm p99-nftcni/annotation-p95)"
+	echo "    CPU a pod, ms: kube-apiserver / kubelet / containerd with the CNI plugins (nftcni's agent: $(bm agent-cpu-ms/pod)); the node's teardown after the pods left the API"
 	for v in bare bare+annotation nftcni istio-cni; do
-		printf "    %-16s %8s / %8s / %8s\n" "$v" "$(bm $v-kube-apiserver-cpu-ms/pod)" "$(bm $v-kubelet-cpu-ms/pod)" "$(bm $v-containerd-cpu-ms/pod)"
+		printf "    %-16s %8s / %8s / %8s; %s ms\n" "$v" "$(bm $v-kube-apiserver-cpu-ms/pod)" "$(bm $v-kubelet-cpu-ms/pod)" "$(bm $v-containerd-cpu-ms/pod)" "$(bm $v-teardown-ms)"
 	done
 done
 rb() { m BenchmarkNodeReboot "$1"; }
