@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -133,10 +132,16 @@ func BenchmarkAgentRestart500(b *testing.B) {
 	c1 := cpuTime(b, cmd.Process.Pid)
 	time.Sleep(passes * time.Second)
 	c2 := cpuTime(b, cmd.Process.Pid)
-	median := func(s []time.Duration) float64 { slices.Sort(s); return s[len(s)/2].Seconds() }
+	seconds := func(ds []time.Duration) []float64 {
+		s := make([]float64, len(ds))
+		for i, d := range ds {
+			s[i] = d.Seconds()
+		}
+		return s
+	}
 	b.ReportMetric(float64(pods)/enrolTook.Seconds(), "pods/s-enrol")
-	b.ReportMetric(median(ready), "s/ready-500pods")
-	b.ReportMetric(median(acked), "s/snapshot-acked-500pods")
+	b.ReportMetric(median(seconds(ready)), "s/ready-500pods")
+	b.ReportMetric(median(seconds(acked)), "s/snapshot-acked-500pods")
 	b.ReportMetric(float64(rssBefore)/1024, "MB-rss-500pods")
 	b.ReportMetric(float64(rssAfter)/1024, "MB-rss-after-restart")
 	b.ReportMetric(firstPass*1000, "ms-first-verify-pass")
