@@ -26,11 +26,12 @@ go test -run '^$' -bench 'AgentRestart500' -benchtime 3x -count=1 -timeout 30m .
 go test -run '^$' -bench 'IstioHandover' -benchtime 1x -count=1 -timeout 30m ./integration | tee -a "$out"
 # Bursts of 50 and 100 pods on a real node (kubelet, containerd 2.x): the
 # bare node, the bare node annotating each pod, nftcni and Istio's CNI,
-# three rounds each after a warm-up round, rotating (about an hour); then
+# four rounds after a warm-up round, ordered so that each variant runs once
+# in each position and after each other variant (about 40 minutes); then
 # the node rebooting with 100 pods, bare, the bound (ztunnel-gate), nftcni and
-# Istio's CNI, two rounds after a warm-up round (about an hour). -v keeps
+# Istio's CNI, two rounds after a warm-up round (about 20 minutes). -v keeps
 # every round's line: Go keeps only a benchmark's first ten log lines.
-go test -v -run '^$' -bench 'NodeBurst' -benchtime 3x -count=1 -timeout 120m ./integration | tee -a "$out"
+go test -v -run '^$' -bench 'NodeBurst' -benchtime 4x -count=1 -timeout 120m ./integration | tee -a "$out"
 go test -v -run '^$' -bench 'NodeReboot' -benchtime 2x -count=1 -timeout 120m ./integration | tee -a "$out"
 
 ns() { awk -v n="$1" '$1 ~ n {for (i=1;i<=NF;i++) if ($(i+1)=="ns/op") {print $i; exit}}' "$out"; }

@@ -486,3 +486,45 @@ func TestAddedRatioMedianOfEvenRounds(t *testing.T) {
 		t.Errorf("three rounds, v 2, 4, 9 over ref 1: ratio %v, want 4", r)
 	}
 }
+
+// Over a full design (n rounds, 2n for an odd n) each variant runs once in
+// each position per n rounds and follows each other variant equally often.
+// A rotation failed the second: the bare node always followed Istio's CNI.
+func TestRoundOrderIsBalanced(t *testing.T) {
+	for n := 1; n <= 6; n++ {
+		variants := make([]string, n)
+		for i := range variants {
+			variants[i] = string(rune('a' + i))
+		}
+		rounds := n
+		if n%2 == 1 {
+			rounds = 2 * n
+		}
+		at := map[[2]string]int{}    // {variant, position} -> rounds
+		after := map[[2]string]int{} // {predecessor, variant} -> rounds
+		for r := range rounds {
+			order := roundOrder(variants, r)
+			if got := slices.Sorted(slices.Values(order)); !slices.Equal(got, variants) {
+				t.Fatalf("%d variants, round %d: %v is not each variant once", n, r, order)
+			}
+			for i, v := range order {
+				at[[2]string{v, fmt.Sprint(i)}]++
+				if i > 0 {
+					after[[2]string{order[i-1], v}]++
+				}
+			}
+		}
+		for _, v := range variants {
+			for i := range n {
+				if c := at[[2]string{v, fmt.Sprint(i)}]; c != rounds/n {
+					t.Errorf("%d variants over %d rounds: %s at position %d %d times, want %d", n, rounds, v, i, c, rounds/n)
+				}
+			}
+			for _, w := range variants {
+				if c := after[[2]string{w, v}]; w != v && c != rounds/n {
+					t.Errorf("%d variants over %d rounds: %s after %s %d times, want %d", n, rounds, v, w, c, rounds/n)
+				}
+			}
+		}
+	}
+}

@@ -68,8 +68,7 @@ func BenchmarkNodeBurst(b *testing.B) {
 			teardowns := map[string][]time.Duration{}     // variant -> each round's stopping after the pods left the API
 			var share burstShare
 			for round := 0; round < b.N; round++ {
-				order := slices.Clone(variants)
-				rotate(order, round)
+				order := roundOrder(variants, round)
 				for _, name := range order {
 					v := startVariant(b, n, imageValues, name)
 					before, logAt := kubelet(b), kubeletLogSize(n)
@@ -376,10 +375,31 @@ var burstVariants = []string{"bare", "bare+annotation", "nftcni", "istio-cni"}
 // pod to end annotated as enrolled by the CNI agent.
 type burstOptions struct{ patch, enrolled bool }
 
-// rotate moves the first r%len(s) elements of s to its end.
-func rotate(s []string, r int) {
-	k := r % len(s)
-	copy(s, append(slices.Clone(s[k:]), s[:k]...))
+// roundOrder is the order the variants run in round r: a Williams design
+// (a balanced Latin square). Over n rounds (2n when n is odd) each
+// variant runs once in each position and follows each other variant
+// equally often, so neither a position nor a predecessor's leftovers
+// favour one. A rotation kept neighbours: with it the bare node always
+// followed Istio's CNI.
+func roundOrder(variants []string, r int) []string {
+	n := len(variants)
+	out := make([]string, n)
+	lo, hi := 1, n-1
+	for i := range out {
+		b := 0 // the first row: 0, 1, n-1, 2, n-2, …
+		switch {
+		case i == 0:
+		case i%2 == 1:
+			b, lo = lo, lo+1
+		default:
+			b, hi = hi, hi-1
+		}
+		out[i] = variants[(b+r)%n]
+	}
+	if n%2 == 1 && (r/n)%2 == 1 {
+		slices.Reverse(out) // odd n: the mirrored square balances predecessors
+	}
+	return out
 }
 
 // burst creates size pods at once and returns, for each, the time from

@@ -57,8 +57,7 @@ func BenchmarkNodeReboot(b *testing.B) {
 	var gateOpen []time.Duration                                    // each round's time from down to ztunnel connected to ztunnel-gate
 	variants := benchVariants(b, rebootVariants, "nftcni-hostnet")
 	for round := 0; round < b.N; round++ {
-		order := slices.Clone(variants)
-		rotate(order, round)
+		order := roundOrder(variants, round)
 		for _, name := range order {
 			v := startVariant(b, n, imageValues, name)
 			_, ids := createPods(b, n, "reboot", fmt.Sprintf("r%d", round), size, burstOptions{enrolled: v.enrolled()})
