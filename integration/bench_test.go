@@ -263,8 +263,9 @@ func reportQuantiles(b *testing.B, order []string, samples map[string][]time.Dur
 	return q
 }
 
-// median of xs: of an even count, the mean of the middle two.
-func median(xs []float64) float64 {
+// median of xs: of an even count, the mean of the middle two. For the
+// medians over rounds (few, often even); quantile is for pooled samples.
+func median[T ~float64 | ~int64](xs []T) T {
 	s := slices.Clone(xs)
 	slices.Sort(s)
 	if len(s)%2 == 0 {

@@ -104,16 +104,16 @@ func BenchmarkNodeReboot(b *testing.B) {
 		b.ReportMetric(ms(quantile(pods[v], 0.9)), v+"-ms-p90")
 		b.ReportMetric(ms(quantile(pods[v], 0.99)), v+"-ms-p99")
 		b.ReportMetric(float64(failed[v]), v+"-failed-sandboxes")
-		b.ReportMetric(ms(quantile(firstBack[v], 0.5)), v+"-first-pod-ms")
-		b.ReportMetric(ms(quantile(ztunnelBack[v], 0.5)), v+"-ztunnel-ready-ms")
+		b.ReportMetric(ms(median(firstBack[v])), v+"-first-pod-ms")
+		b.ReportMetric(ms(median(ztunnelBack[v])), v+"-ztunnel-ready-ms")
 		if len(agentBack[v]) > 0 {
-			b.ReportMetric(ms(quantile(agentBack[v], 0.5)), v+"-agent-ready-ms")
+			b.ReportMetric(ms(median(agentBack[v])), v+"-agent-ready-ms")
 			b.ReportMetric(retries[v]/float64(b.N), v+"-add-retries/round")
 			b.ReportMetric(agentCPU[v]*1e3/float64(b.N), v+"-agent-cpu-ms/round")
 		}
 	}
 	if len(gateOpen) > 0 {
-		b.ReportMetric(ms(quantile(gateOpen, 0.5)), "gate-ztunnel-connected-ms")
+		b.ReportMetric(ms(median(gateOpen)), "gate-ztunnel-connected-ms")
 	}
 	for _, v := range variants {
 		if v == "bare" {

@@ -132,16 +132,9 @@ func BenchmarkAgentRestart500(b *testing.B) {
 	c1 := cpuTime(b, cmd.Process.Pid)
 	time.Sleep(passes * time.Second)
 	c2 := cpuTime(b, cmd.Process.Pid)
-	seconds := func(ds []time.Duration) []float64 {
-		s := make([]float64, len(ds))
-		for i, d := range ds {
-			s[i] = d.Seconds()
-		}
-		return s
-	}
 	b.ReportMetric(float64(pods)/enrolTook.Seconds(), "pods/s-enrol")
-	b.ReportMetric(median(seconds(ready)), "s/ready-500pods")
-	b.ReportMetric(median(seconds(acked)), "s/snapshot-acked-500pods")
+	b.ReportMetric(median(ready).Seconds(), "s/ready-500pods")
+	b.ReportMetric(median(acked).Seconds(), "s/snapshot-acked-500pods")
 	b.ReportMetric(float64(rssBefore)/1024, "MB-rss-500pods")
 	b.ReportMetric(float64(rssAfter)/1024, "MB-rss-after-restart")
 	b.ReportMetric(firstPass*1000, "ms-first-verify-pass")
