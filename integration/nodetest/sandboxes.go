@@ -35,19 +35,10 @@ func (n *Node) RemovePodSandboxes(ns string, limit time.Duration) (time.Duration
 	filter := &runtimeapi.PodSandboxFilter{LabelSelector: map[string]string{"io.kubernetes.pod.namespace": ns}}
 	stopped := map[string]bool{} // sandbox ID -> stopped, its netns gone
 	for {
-		l, err := rt.ListPodSandbox(ctx, &runtimeapi.ListPodSandboxRequest{Filter: filter})
 		busy := 0
+		l, err := rt.ListPodSandbox(ctx, &runtimeapi.ListPodSandboxRequest{Filter: filter})
 		if err == nil {
-			for _, s := range l.Items {
-				if !stopped[s.Id] {
-					if stopped[s.Id], err = sandboxStopped(ctx, rt, s); err != nil {
-						break
-					}
-				}
-				if !stopped[s.Id] {
-					busy++
-				}
-			}
+			busy, err = stopping(ctx, rt, l.Items, stopped)
 		}
 		if err == nil && busy == 0 {
 			return time.Since(start), removeSandboxes(ctx, rt, l.Items)
@@ -58,6 +49,25 @@ func (n *Node) RemovePodSandboxes(ns string, limit time.Duration) (time.Duration
 		case <-time.After(100 * time.Millisecond):
 		}
 	}
+}
+
+// stopping counts the sandboxes containerd is still stopping, noting in
+// stopped those it is done with (their verbose status is asked once).
+func stopping(ctx context.Context, rt runtimeapi.RuntimeServiceClient, sandboxes []*runtimeapi.PodSandbox, stopped map[string]bool) (int, error) {
+	busy := 0
+	for _, s := range sandboxes {
+		if !stopped[s.Id] {
+			done, err := sandboxStopped(ctx, rt, s)
+			if err != nil {
+				return busy, err
+			}
+			stopped[s.Id] = done
+		}
+		if !stopped[s.Id] {
+			busy++
+		}
+	}
+	return busy, nil
 }
 
 // sandboxStopped says whether containerd is done stopping s: not ready,
