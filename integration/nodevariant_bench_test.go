@@ -1,8 +1,10 @@
 package integration
 
 import (
+	"bytes"
 	"context"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"slices"
@@ -11,14 +13,23 @@ import (
 	"time"
 
 	"github.com/tidwall/sjson"
+	"golang.org/x/sys/unix"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 
 	"github.com/nftcni/nftcni/integration/istiotest"
 	"github.com/nftcni/nftcni/integration/nodetest"
+	"github.com/nftcni/nftcni/internal/unixsock"
+	"github.com/nftcni/nftcni/istio"
+	"github.com/nftcni/nftcni/plugin/wire"
 )
 
 // nodeVariant is what runs on a node benchmark's node besides the primary:
-// nothing ("bare", "bare+annotation"), the least an ambient CNI does
+// nothing ("bare"), the least an ambient CNI does at a burst ("bound": a Go
+// plugin asks a node agent, which annotates the pod) or at a reboot
 // ("gate": ztunnel-gate holds each mesh pod's ADD until ztunnel is
 // connected), nftcni's chart ("nftcni"; its agent in the node's network
 // namespace: "nftcni-hostnet"), or Istio's CNI ("istio-cni").
@@ -26,6 +37,7 @@ type nodeVariant struct {
 	name  string
 	n     *nodetest.Node
 	istio *istiotest.Agent
+	bound *boundAgent
 }
 
 // startVariant sets the node up for variant name.
@@ -39,6 +51,8 @@ func startVariant(b *testing.B, n *nodetest.Node, imageValues []string, name str
 		helmInstall(b, n, slices.Concat(imageValues, []string{"--set", "ambient.shareHostNetworkNamespace=true"}), "chained")
 	case "istio-cni":
 		v.istio = startIstioCNI(b, n)
+	case "bound":
+		v.bound = startBound(b, n)
 	case "gate":
 		startGate(b, n)
 		n.WaitFor("the ztunnel stand-in connected to ztunnel-gate", 3*time.Minute, func() bool {
@@ -49,9 +63,11 @@ func startVariant(b *testing.B, n *nodetest.Node, imageValues []string, name str
 	return v
 }
 
-// enrolled says whether the variant's CNI enrols the pods of an ambient
-// namespace.
-func (v *nodeVariant) enrolled() bool { return v.nftcni() || v.name == "istio-cni" }
+// enrolled says whether the variant's CNI annotates the pods of an ambient
+// namespace as enrolled (the bound does, without capturing them).
+func (v *nodeVariant) enrolled() bool {
+	return v.nftcni() || v.name == "istio-cni" || v.name == "bound"
+}
 
 // nftcni says whether nftcni's chart runs.
 func (v *nodeVariant) nftcni() bool { return strings.HasPrefix(v.name, "nftcni") }
@@ -78,6 +94,8 @@ func (v *nodeVariant) stop(b *testing.B) {
 		helmUninstall(b, v.n)
 	case v.istio != nil:
 		stopIstioCNI(b, v.n, v.istio)
+	case v.bound != nil:
+		v.bound.stop()
 	case v.name == "gate":
 		v.n.StopService("ztunnel-gate")
 		v.n.WritePrimaryConflist()
@@ -109,6 +127,88 @@ func startGate(b *testing.B, n *nodetest.Node) {
 	}
 	n.WriteConflist(doc)
 	n.Service("ztunnel-gate", nil, filepath.Join(n.BinDir, "ztunnel-gate"), "serve", gateSocket, gateFile)
+}
+
+// boundAgent is the node agent of the burst's bound: the least an ambient
+// CNI must do for each pod. Its plugin is askplugin, chained after the
+// primary: one Go exec that asks a local agent with the pod's netns, as
+// any such plugin must (the labels that decide enrolment are not in what
+// the runtime hands a plugin). The agent answers at once and then PATCHes
+// the pod's redirection annotation on its status, as nftcni's agent does
+// (istiod reads it), with nftcni's client settings; the ADD does not wait
+// for the PATCH. Nothing is captured and ztunnel is told nothing.
+type boundAgent struct {
+	n *nodetest.Node
+	l *net.UnixListener
+}
+
+// boundSocket is where the bound's agent serves its plugin, on the node's
+// /run.
+const boundSocket = "/run/nftcni-bound/ask.sock"
+
+func startBound(b *testing.B, n *nodetest.Node) *boundAgent {
+	b.Helper()
+	if err := installFile(filepath.Join(binDir, "askplugin"), filepath.Join(n.BinDir, "askplugin")); err != nil {
+		b.Fatal(err)
+	}
+	if err := os.MkdirAll(n.Path(filepath.Dir(boundSocket)), 0o700); err != nil {
+		b.Fatal(err)
+	}
+	_ = os.Remove(n.Path(boundSocket))
+	l, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: n.Path(boundSocket), Net: "unixpacket"})
+	if err != nil {
+		b.Fatal(err)
+	}
+	cfg := rest.CopyConfig(n.Config)
+	cfg.ContentType = runtime.ContentTypeProtobuf
+	cfg.QPS, cfg.Burst = 80, 160 // nftcni's agent's
+	client := kubernetes.NewForConfigOrDie(cfg)
+	a := &boundAgent{n: n, l: l}
+	go func() {
+		for {
+			c, err := l.AcceptUnix()
+			if err != nil {
+				return
+			}
+			go a.serve(b, c, client)
+		}
+	}()
+	doc, err := sjson.SetRaw(n.PrimaryConflist(), "plugins.-1", fmt.Sprintf(`{"type": "askplugin", "socket": %q}`, boundSocket))
+	if err != nil {
+		b.Fatal(err)
+	}
+	n.WriteConflist(doc)
+	return a
+}
+
+// serve answers one ADD's question, then annotates its pod.
+func (a *boundAgent) serve(b *testing.B, c *net.UnixConn, client kubernetes.Interface) {
+	defer c.Close()
+	buf, oob := make([]byte, 512), make([]byte, unix.CmsgSpace(4))
+	m, oobn, _, _, err := c.ReadMsgUnix(buf, oob)
+	if err != nil {
+		return
+	}
+	fds, _ := unixsock.Rights(oob[:oobn])
+	wire.CloseAll(fds)
+	if _, err := c.Write([]byte(`{"kind":"decision","decision":{"mode":"ambient"}}`)); err != nil {
+		return
+	}
+	ns, name, ok := strings.Cut(string(bytes.TrimRight(buf[:m], "\x00")), "/")
+	if !ok {
+		return
+	}
+	patch := []byte(`{"metadata":{"annotations":{"` + istio.AnnRedirection + `":"enabled"}}}`)
+	if _, err := client.CoreV1().Pods(ns).Patch(context.Background(), name, types.MergePatchType, patch, metav1.PatchOptions{}, "status"); err != nil {
+		b.Logf("bound: annotating %s/%s: %v", ns, name, err)
+	}
+}
+
+// stop leaves the node bare: the primary's conflist, the socket gone.
+func (a *boundAgent) stop() {
+	a.n.WritePrimaryConflist()
+	a.l.Close()
+	_ = os.RemoveAll(a.n.Path(filepath.Dir(boundSocket)))
 }
 
 // benchVariants is defaults, or the variants NFTCNI_BENCH_VARIANTS names

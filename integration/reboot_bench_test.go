@@ -60,7 +60,7 @@ func BenchmarkNodeReboot(b *testing.B) {
 		order := roundOrder(variants, round)
 		for _, name := range order {
 			v := startVariant(b, n, imageValues, name)
-			_, ids := createPods(b, n, "reboot", fmt.Sprintf("r%d", round), size, burstOptions{enrolled: v.enrolled()})
+			_, ids := createPods(b, n, "reboot", fmt.Sprintf("r%d", round), size, v.enrolled())
 			ctx, cancel := context.WithCancel(context.Background())
 			down, logAt := time.Now(), kubeletLogSize(n)
 			ztunnel := readyAgain(ctx, n, "istio-system", "app=ztunnel", down)

@@ -1,7 +1,7 @@
 // Command askplugin is the least a chained CNI plugin written in Go can do
 // that asks someone before it answers: nullplugin plus one round trip on a
 // unix seqpacket socket (its config's "socket"), carrying the pod's netns
-// as a descriptor and waiting for any answer. Benchmarks chain it to
+// as a descriptor and its namespace and name, and waiting for any answer. Benchmarks chain it to
 // measure the floor under an ADD that must ask an agent, as nftcni's does
 // for every pod it does not pass straight through: the pod's labels, which
 // decide its enrolment, are not in anything the runtime hands a plugin.
@@ -10,6 +10,7 @@ package main
 import (
 	"io"
 	"os"
+	"strings"
 
 	"github.com/tidwall/gjson"
 	"golang.org/x/sys/unix"
@@ -32,7 +33,8 @@ func main() {
 	os.Stdout.WriteString(prev.Raw + "\n")
 }
 
-// ask sends a 200-byte question with the netns descriptor and reads the
+// ask sends a 200-byte question (the pod's "namespace/name" from the
+// runtime's CNI_ARGS, zero-padded) with the netns descriptor and reads the
 // answer, on plain blocking calls.
 func ask(path, netns string) error {
 	ns, err := unix.Open(netns, unix.O_RDONLY|unix.O_CLOEXEC, 0)
@@ -49,6 +51,7 @@ func ask(path, netns string) error {
 		return err
 	}
 	var q [200]byte
+	copy(q[:], podKey(os.Getenv("CNI_ARGS")))
 	if err := unix.Sendmsg(s, q[:], unix.UnixRights(ns), nil, 0); err != nil {
 		return err
 	}
@@ -59,4 +62,23 @@ func ask(path, netns string) error {
 			return err
 		}
 	}
+}
+
+// podKey is "K8S_POD_NAMESPACE/K8S_POD_NAME" from CNI_ARGS, or "" outside
+// Kubernetes.
+func podKey(args string) string {
+	var ns, name string
+	for _, kv := range strings.Split(args, ";") {
+		k, v, _ := strings.Cut(kv, "=")
+		switch k {
+		case "K8S_POD_NAMESPACE":
+			ns = v
+		case "K8S_POD_NAME":
+			name = v
+		}
+	}
+	if ns == "" || name == "" {
+		return ""
+	}
+	return ns + "/" + name
 }
