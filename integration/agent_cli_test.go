@@ -156,6 +156,10 @@ func (h *host) agent(args ...string) *exec.Cmd {
 		"CNI_CONF_DIR="+h.conf, "CNI_BIN_DIR="+h.bin, "CNI_AGENT_RUN_DIR="+h.run,
 		"ZTUNNEL_UDS_ADDRESS="+h.zsock, "HOST_NETNS="+h.netns.Path,
 		"PLUGIN_BINARY="+filepath.Join(binDir, "nftcni"), "LOG_LEVEL=info")
+	if p := os.Getenv("NFTCNI_AGENT_GOMAXPROCS"); p != "" {
+		// Benchmarks: the agent's Ps as the chart sets them (agent.maxProcs).
+		cmd.Env = append(cmd.Env, "GOMAXPROCS="+p)
+	}
 	cmd.Env = append(cmd.Env, h.env...)
 	return cmd
 }

@@ -162,6 +162,35 @@ func TestAgentPodInTheNodesNetworkNamespace(t *testing.T) {
 	}
 }
 
+// maxProcs sets the agent's GOMAXPROCS: 1 by default, Go's own with 0.
+func TestAgentMaxProcs(t *testing.T) {
+	for _, c := range []struct{ set, want string }{{"logging.level=info", "1"}, {"maxProcs=2", "2"}, {"maxProcs=0", ""}} {
+		found := false
+		for _, o := range objects(t, render(t, "", c.set)) {
+			if o.GetKind() != "DaemonSet" {
+				continue
+			}
+			found = true
+			cs, _, _ := unstructured.NestedSlice(o.Object, "spec", "template", "spec", "containers")
+			got := ""
+			for _, c := range cs {
+				env, _, _ := unstructured.NestedSlice(c.(map[string]any), "env")
+				for _, e := range env {
+					if e := e.(map[string]any); e["name"] == "GOMAXPROCS" {
+						got, _ = e["value"].(string)
+					}
+				}
+			}
+			if got != c.want {
+				t.Errorf("--set %s: the agent's GOMAXPROCS %q, want %q", c.set, got, c.want)
+			}
+		}
+		if !found {
+			t.Fatalf("--set %s: no DaemonSet rendered", c.set)
+		}
+	}
+}
+
 // readiness.istiodLabel gives the agent's pods istio-cni's k8s-app label,
 // which istiod's untaint controller looks for, in every place that selects
 // them: the DaemonSet's selector and template, and the NetworkPolicy. The
