@@ -174,9 +174,9 @@ for size in 50 100; do
 	done
 	printf "    p99 nftcni / bare: %sx (median over rounds; 90%% of round resamples %s-%sx)\n" "$(bm p99-nftcni/bare)" "$(bm p99-nftcni/bare-p5)" "$(bm p99-nftcni/bare-p95)"
 	printf "    p99 istio-cni / bare: %sx (%s-%sx)\n" "$(bm p99-istio/bare)" "$(bm p99-istio/bare-p5)" "$(bm p99-istio/bare-p95)"
-	printf "    what nftcni adds to the bare p99 over what Istio's CNI adds: %s\n" "$(bm p99-added-nftcni/istio)"
+	printf "    what nftcni adds to the bare p99 over what Istio's CNI adds: %s (%s-%s)\n" "$(bm p99-added-nftcni/istio)" "$(bm p99-added-nftcni/istio-p5)" "$(bm p99-added-nftcni/istio-p95)"
 	printf "    the bound (a Go plugin asking a node agent, which annotates the pod: the least an ambient CNI does):\n"
-	printf "      p99 bound / bare: %sx (%s-%sx); what it adds over what Istio's CNI adds: %s\n" "$(bm p99-bound/bare)" "$(bm p99-bound/bare-p5)" "$(bm p99-bound/bare-p95)" "$(bm p99-added-bound/istio)"
+	printf "      p99 bound / bare: %sx (%s-%sx); what it adds over what Istio's CNI adds: %s (%s-%s)\n" "$(bm p99-bound/bare)" "$(bm p99-bound/bare-p5)" "$(bm p99-bound/bare-p95)" "$(bm p99-added-bound/istio)" "$(bm p99-added-bound/istio-p5)" "$(bm p99-added-bound/istio-p95)"
 	printf "      p99 nftcni / bound: %sx (%s-%sx)\n" "$(bm p99-nftcni/bound)" "$(bm p99-nftcni/bound-p5)" "$(bm p99-nftcni/bound-p95)"
 	echo "    CPU a pod, ms: kube-apiserver / kubelet / containerd with the CNI plugins (nftcni's agent: $(bm agent-cpu-ms/pod)); the node's teardown after the pods left the API"
 	for v in bare bound nftcni istio-cni; do

@@ -194,20 +194,29 @@ func respondAtOnce(b *testing.B) string {
 			}
 			go func() {
 				defer c.Close()
-				buf, oob := make([]byte, 4096), make([]byte, unix.CmsgSpace(4))
-				_, oobn, _, _, err := c.ReadMsgUnix(buf, oob)
-				if err != nil {
+				if _, err := readAsk(c); err != nil {
 					return
 				}
-				fds, _ := unixsock.Rights(oob[:oobn])
-				wire.CloseAll(fds)
 				if _, err := c.Write(answer); err == nil {
-					_, _ = c.Read(buf) // until the plugin closes
+					_, _ = c.Read(make([]byte, 64)) // until the plugin closes
 				}
 			}()
 		}
 	}()
 	return path
+}
+
+// readAsk reads one askplugin question from c and closes the descriptors
+// it carried.
+func readAsk(c *net.UnixConn) ([]byte, error) {
+	buf, oob := make([]byte, 4096), make([]byte, unix.CmsgSpace(4))
+	n, oobn, _, _, err := c.ReadMsgUnix(buf, oob)
+	if err != nil {
+		return nil, err
+	}
+	fds, _ := unixsock.Rights(oob[:oobn])
+	wire.CloseAll(fds)
+	return buf[:n], nil
 }
 
 // reportEnrolTimings reports the medians of the phases the agent logs for

@@ -115,35 +115,27 @@ func BenchmarkNodeBurst(b *testing.B) {
 				b.Log(cpu)
 			}
 			share.report(b)
-			r, lo, hi := addedRatio(p99s, "nftcni", "bare", "")
-			b.ReportMetric(r, "p99-nftcni/bare")
-			b.ReportMetric(lo, "p99-nftcni/bare-p5")
-			b.ReportMetric(hi, "p99-nftcni/bare-p95")
-			b.Logf("%d pods at once, %d rounds: p99 nftcni/bare %.3fx (90%% of round resamples %.3f–%.3fx)", size, b.N, r, lo, hi)
-			ri, ilo, ihi := addedRatio(p99s, "istio-cni", "bare", "")
-			b.ReportMetric(ri, "p99-istio/bare")
-			b.ReportMetric(ilo, "p99-istio/bare-p5")
-			b.ReportMetric(ihi, "p99-istio/bare-p95")
-			b.Logf("%d pods at once, %d rounds: p99 istio-cni/bare %.3fx (%.3f–%.3fx)", size, b.N, ri, ilo, ihi)
-			radd, addlo, addhi := addedRatio(p99s, "nftcni", "istio-cni", "bare")
-			b.ReportMetric(radd, "p99-added-nftcni/istio")
-			b.Logf("what nftcni adds to the bare node's p99 over what Istio's CNI adds: %.3f (%.3f–%.3f)", radd, addlo, addhi)
+			at := fmt.Sprintf("%d pods at once, %d rounds", size, b.N)
+			reportRatio(b, p99s, "nftcni", "bare", "", "p99-nftcni/bare", at+": p99 nftcni/bare")
+			reportRatio(b, p99s, "istio-cni", "bare", "", "p99-istio/bare", at+": p99 istio-cni/bare")
+			reportRatio(b, p99s, "nftcni", "istio-cni", "bare", "p99-added-nftcni/istio", at+": what nftcni adds to the bare node's p99 over what Istio's CNI adds")
 			// The bound: what any ambient CNI adds here, and nftcni against it.
-			rb, blo, bhi := addedRatio(p99s, "bound", "bare", "")
-			b.ReportMetric(rb, "p99-bound/bare")
-			b.ReportMetric(blo, "p99-bound/bare-p5")
-			b.ReportMetric(bhi, "p99-bound/bare-p95")
-			b.Logf("%d pods at once, %d rounds: p99 bound/bare %.3fx (%.3f–%.3fx): the least an ambient CNI adds here", size, b.N, rb, blo, bhi)
-			rn, nlo, nhi := addedRatio(p99s, "nftcni", "bound", "")
-			b.ReportMetric(rn, "p99-nftcni/bound")
-			b.ReportMetric(nlo, "p99-nftcni/bound-p5")
-			b.ReportMetric(nhi, "p99-nftcni/bound-p95")
-			b.Logf("%d pods at once, %d rounds: p99 nftcni/bound %.3fx (%.3f–%.3fx)", size, b.N, rn, nlo, nhi)
-			rba, balo, bahi := addedRatio(p99s, "bound", "istio-cni", "bare")
-			b.ReportMetric(rba, "p99-added-bound/istio")
-			b.Logf("what the bound adds to the bare node's p99 over what Istio's CNI adds: %.3f (%.3f–%.3f)", rba, balo, bahi)
+			reportRatio(b, p99s, "bound", "bare", "", "p99-bound/bare", at+": p99 bound/bare, the least an ambient CNI adds here")
+			reportRatio(b, p99s, "nftcni", "bound", "", "p99-nftcni/bound", at+": p99 nftcni/bound")
+			reportRatio(b, p99s, "bound", "istio-cni", "bare", "p99-added-bound/istio", at+": what the bound adds to the bare node's p99 over what Istio's CNI adds")
 		})
 	}
+}
+
+// reportRatio reports addedRatio(p99s, v, ref, base) as metric, with its
+// bootstrap interval as metric-p5 and metric-p95, and logs it after what.
+func reportRatio(b *testing.B, p99s map[string][]time.Duration, v, ref, base, metric, what string) {
+	b.Helper()
+	r, lo, hi := addedRatio(p99s, v, ref, base)
+	b.ReportMetric(r, metric)
+	b.ReportMetric(lo, metric+"-p5")
+	b.ReportMetric(hi, metric+"-p95")
+	b.Logf("%s: %.3f (90%% of round resamples %.3f–%.3f)", what, r, lo, hi)
 }
 
 // burstShare is where nftcni's time in a burst goes.

@@ -13,7 +13,6 @@ import (
 	"time"
 
 	"github.com/tidwall/sjson"
-	"golang.org/x/sys/unix"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
@@ -22,9 +21,7 @@ import (
 
 	"github.com/nftcni/nftcni/integration/istiotest"
 	"github.com/nftcni/nftcni/integration/nodetest"
-	"github.com/nftcni/nftcni/internal/unixsock"
 	"github.com/nftcni/nftcni/istio"
-	"github.com/nftcni/nftcni/plugin/wire"
 )
 
 // nodeVariant is what runs on a node benchmark's node besides the primary:
@@ -184,17 +181,14 @@ func startBound(b *testing.B, n *nodetest.Node) *boundAgent {
 // serve answers one ADD's question, then annotates its pod.
 func (a *boundAgent) serve(b *testing.B, c *net.UnixConn, client kubernetes.Interface) {
 	defer c.Close()
-	buf, oob := make([]byte, 512), make([]byte, unix.CmsgSpace(4))
-	m, oobn, _, _, err := c.ReadMsgUnix(buf, oob)
+	q, err := readAsk(c)
 	if err != nil {
 		return
 	}
-	fds, _ := unixsock.Rights(oob[:oobn])
-	wire.CloseAll(fds)
 	if _, err := c.Write([]byte(`{"kind":"decision","decision":{"mode":"ambient"}}`)); err != nil {
 		return
 	}
-	ns, name, ok := strings.Cut(string(bytes.TrimRight(buf[:m], "\x00")), "/")
+	ns, name, ok := strings.Cut(string(bytes.TrimRight(q, "\x00")), "/")
 	if !ok {
 		return
 	}
