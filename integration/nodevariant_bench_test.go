@@ -14,11 +14,9 @@ import (
 
 	"github.com/tidwall/sjson"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/runtime"
-	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
+	"github.com/nftcni/nftcni/agent/kube"
 	"github.com/nftcni/nftcni/integration/istiotest"
 	"github.com/nftcni/nftcni/integration/nodetest"
 	"github.com/nftcni/nftcni/istio"
@@ -157,9 +155,11 @@ func startBound(b *testing.B, n *nodetest.Node) *boundAgent {
 		b.Fatal(err)
 	}
 	cfg := rest.CopyConfig(n.Config)
-	cfg.ContentType = runtime.ContentTypeProtobuf
-	cfg.QPS, cfg.Burst = 80, 160 // nftcni's agent's
-	client := kubernetes.NewForConfigOrDie(cfg)
+	cfg.QPS, cfg.Burst = 80, 160       // nftcni's agent's
+	client, err := kube.NewClient(cfg) // the agent's own (protobuf, pods/status)
+	if err != nil {
+		b.Fatal(err)
+	}
 	a := &boundAgent{n: n, l: l}
 	go func() {
 		for {
@@ -179,7 +179,7 @@ func startBound(b *testing.B, n *nodetest.Node) *boundAgent {
 }
 
 // serve answers one ADD's question, then annotates its pod.
-func (a *boundAgent) serve(b *testing.B, c *net.UnixConn, client kubernetes.Interface) {
+func (a *boundAgent) serve(b *testing.B, c *net.UnixConn, client *kube.Client) {
 	defer c.Close()
 	q, err := readAsk(c)
 	if err != nil {
@@ -193,7 +193,7 @@ func (a *boundAgent) serve(b *testing.B, c *net.UnixConn, client kubernetes.Inte
 		return
 	}
 	patch := []byte(`{"metadata":{"annotations":{"` + istio.AnnRedirection + `":"enabled"}}}`)
-	if _, err := client.CoreV1().Pods(ns).Patch(context.Background(), name, types.MergePatchType, patch, metav1.PatchOptions{}, "status"); err != nil {
+	if err := client.PatchPodStatus(context.Background(), ns, name, patch); err != nil {
 		b.Logf("bound: annotating %s/%s: %v", ns, name, err)
 	}
 }
