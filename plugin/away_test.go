@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"io"
 	"net"
 	"os"
 	"path/filepath"
@@ -266,6 +267,94 @@ func servingAgent(t *testing.T, runDir string, answer func() *wire.Message) {
 					f.Close()
 				}
 				_ = c.Send(answer(), nil)
+			}
+			c.Close()
+		}
+	}()
+}
+
+// A failed enrolment's error waits for the agent's undo: with
+// ConfirmsUndo the plugin returns once the agent says the enrolment is
+// undone (its rules included), so that "removed again" holds when the
+// runtime reads it; an older agent, which never says so, costs nothing
+// extra; one that confirms nothing by the deadline is named. Mutation: a
+// plugin that returns once its outcome is sent fails "confirming agent".
+func TestFailedAddWaitsForTheUndo(t *testing.T) {
+	const undo = 200 * time.Millisecond
+	for _, tc := range []struct {
+		name     string
+		confirms bool // the decision says ConfirmsUndo
+		send     bool // the agent sends done after its undo
+		min, max time.Duration
+		want     string
+	}{
+		{name: "confirming agent", confirms: true, send: true, min: undo, max: undo + 300*time.Millisecond, want: "(removed again)"},
+		{name: "older agent", max: undo / 2, want: "(removed again)"},
+		{name: "confirmation never comes", confirms: true, min: 900 * time.Millisecond, max: 1500 * time.Millisecond, want: "did not confirm their removal"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a := newAway(t, nil)
+			conversingAgent(t, a.run, func(c *wire.Conn, stop <-chan struct{}) {
+				d := &wire.Message{Kind: wire.KindDecision, Decision: &wire.Verdict{Mode: wire.ModeAmbient, ConfirmsUndo: tc.confirms},
+					Batch: &nlsend.Batch{Tables: []byte{1}}}
+				if c.Send(d, nil) != nil || c.Send(&wire.Message{Kind: wire.KindError, Error: "ztunnel refused"}, nil) != nil {
+					return
+				}
+				if m, f, err := c.Recv(); err != nil || m.Kind != wire.KindOutcome {
+					t.Errorf("the agent got %v, %v, want the outcome", m, err)
+					return
+				} else if f != nil {
+					f.Close()
+				}
+				time.Sleep(undo)
+				if tc.send {
+					_ = c.Send(&wire.Message{Kind: wire.KindDone}, nil)
+				}
+				<-stop // holds the connection, as the agent draining logs does
+			})
+			start := time.Now()
+			err := a.p.Add(a.args("ADD", "mesh/p"), io.Discard)
+			took := time.Since(start)
+			if err == nil || !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), "ztunnel refused") {
+				t.Errorf("ADD: %v, want the agent's error with %q", err, tc.want)
+			}
+			if took < tc.min || took > tc.max {
+				t.Errorf("the ADD returned after %v, want %v to %v", took, tc.min, tc.max)
+			}
+			if !reflect.DeepEqual(a.kernel.calls, []string{"program"}) {
+				t.Errorf("kernel calls %v, want the program alone (the undo is the agent's)", a.kernel.calls)
+			}
+		})
+	}
+}
+
+// conversingAgent serves the agent's socket, one conversation at a time:
+// the first message is read, and talk has the rest, until stop closes at
+// the test's end.
+func conversingAgent(t *testing.T, runDir string, talk func(c *wire.Conn, stop <-chan struct{})) {
+	l, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: filepath.Join(runDir, wire.SocketName), Net: "unixpacket"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done, stop := make(chan struct{}), make(chan struct{})
+	t.Cleanup(func() { close(stop); l.Close(); <-done })
+	go func() {
+		defer close(done)
+		for {
+			uc, err := l.AcceptUnix()
+			if err != nil {
+				return
+			}
+			c, err := wire.NewConn(uc)
+			if err != nil {
+				uc.Close()
+				return
+			}
+			if _, f, err := c.Recv(); err == nil {
+				if f != nil {
+					f.Close()
+				}
+				talk(c, stop)
 			}
 			c.Close()
 		}

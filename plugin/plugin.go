@@ -398,13 +398,25 @@ func (c *call) programAndReport(pod *wire.Pod, netns int, r *wire.Message, socks
 	// gives it without waiting for the outcome, so it is usually here
 	// already.
 	_, _, aerr := c.answer(wire.KindDecision, wire.KindDone)
-	// The outcome, with the call's logs and timings, is the last message:
-	// with a failure on either side the agent undoes the enrolment. Nothing
-	// waits for the agent after it.
+	// The outcome, with the call's logs and timings, is the plugin's last
+	// message: with a failure on either side the agent undoes the
+	// enrolment and says when it has (ConfirmsUndo); the error waits for
+	// that, so that nothing of the enrolment is left when it returns.
+	// Success waits for nothing more.
 	serr := c.agent.SendWith(&wire.Message{Kind: wire.KindOutcome, Error: errText, Logs: c.recs.take(), Timings: t}, nil)
+	var refused *agentError
+	answered := aerr == nil || errors.As(aerr, &refused) // else the agent is gone or hung: nothing to wait for
+	var uerr error                                       // the undo not confirmed
+	if (perr != nil || aerr != nil) && answered && serr == nil && r.Decision.ConfirmsUndo {
+		_, _, uerr = c.answer(wire.KindOutcome, wire.KindDone)
+	}
 	switch {
+	case perr != nil && uerr != nil:
+		return fmt.Errorf("nftcni: pod %s: programming the %s ruleset: %w (and the agent did not confirm its undo: %v)", pod.Key(), mode, perr, uerr)
 	case perr != nil:
 		return fmt.Errorf("nftcni: pod %s: programming the %s ruleset: %w", pod.Key(), mode, perr)
+	case aerr != nil && uerr != nil:
+		return fmt.Errorf("nftcni: pod %s: enrolment failed after the rules were programmed: %w (the agent did not confirm their removal: %v)", pod.Key(), aerr, uerr)
 	case aerr != nil:
 		return fmt.Errorf("nftcni: pod %s: enrolment failed after the rules were programmed (removed again): %w", pod.Key(), aerr)
 	case serr != nil:

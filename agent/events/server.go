@@ -267,7 +267,8 @@ type addConv struct {
 	netns   *os.File // the pod's, from the add
 	decided bool
 	mode    wire.Mode
-	ready   bool // the plugin has its last answer
+	ready   bool // the plugin has its answer (done or error)
+	outcome bool // the agent has the plugin's outcome: its rules are the undo's to remove
 }
 
 // Decide sends the decision. A batch to program goes with a netlink socket
@@ -282,6 +283,11 @@ func (a *addConv) Decide(v *wire.Verdict, b *nft.Batch) error {
 		return errors.New("the ADD was decided already")
 	}
 	a.decided, a.mode = true, v.Mode
+	if v.Mode != wire.ModeNone {
+		c := *v
+		c.ConfirmsUndo = true // add() sends done after a failed enrolment's undo
+		v = &c
+	}
 	m := &wire.Message{Kind: wire.KindDecision, Decision: v}
 	var socks []int
 	if v.Mode != wire.ModeNone && b != nil {
@@ -328,6 +334,7 @@ func (a *addConv) Outcome() (*wire.Timings, error) {
 	case out.Kind != wire.KindOutcome:
 		return nil, fmt.Errorf("plugin sent %s, want outcome", out.Kind)
 	}
+	a.outcome = true
 	a.s.pluginLogs(a.ctx, out.Logs)
 	if out.Error != "" {
 		return out.Timings, fmt.Errorf("plugin could not program the %s ruleset: %w", a.mode, errors.New(out.Error))
@@ -367,9 +374,15 @@ func (s *Server) add(ctx context.Context, c *wire.Conn, pod *wire.Pod, netns *os
 		return
 	}
 	s.log.Warn("pod ADD failed", "pod", pod.Key(), "containerID", pod.ContainerID, "err", err)
-	if !conv.decided {
+	switch {
+	case !conv.decided:
 		_ = c.Send(&wire.Message{Kind: wire.KindError, Error: err.Error()}, nil)
-	} else if conv.mode != wire.ModeNone {
+	case conv.outcome:
+		// The handler undid the enrolment before it returned, the rules
+		// the plugin reported included: the plugin, which had a failure,
+		// waits for this before it returns its error.
+		_ = c.Send(&wire.Message{Kind: wire.KindDone}, nil)
+	case conv.mode != wire.ModeNone:
 		conv.Ready(err)
 	}
 }

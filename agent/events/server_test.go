@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -65,11 +66,14 @@ type fake struct {
 	gc       [][]wire.Attachment
 	// delDeadline is the deadline of the last Del's context.
 	delDeadline time.Time
+	// addsOver counts Adds returned: an enrolment's undo is over.
+	addsOver atomic.Int32
 }
 
 var testBatch = &nft.Batch{Batch: nlsend.Batch{Tables: []byte("batch")}}
 
 func (f *fake) Add(_ context.Context, _ *wire.Pod, _ *os.File, plugin Plugin) error {
+	defer f.addsOver.Add(1)
 	if f.decideErr != nil {
 		return f.decideErr
 	}
@@ -322,13 +326,13 @@ func TestAddConversationAndLogs(t *testing.T) {
 	hs := serve(t, f, "")
 	netns, _ := os.Open("/proc/self/ns/net")
 	defer netns.Close()
-	c, _ := hs.dial(t)
+	c, uc := hs.dial(t)
 	if err := c.Send(&wire.Message{Kind: wire.KindAdd, Pod: pod()}, netns); err != nil {
 		t.Fatal(err)
 	}
 	m, sock, err := c.Recv()
-	if err != nil || m.Kind != wire.KindDecision || m.Decision.Mode != wire.ModeAmbient || string(m.Batch.Tables) != "batch" {
-		t.Fatalf("decision: %+v %v", m, err)
+	if err != nil || m.Kind != wire.KindDecision || m.Decision.Mode != wire.ModeAmbient || string(m.Batch.Tables) != "batch" || !m.Decision.ConfirmsUndo {
+		t.Fatalf("decision: %+v %v, want ambient with its batch, confirming an undo", m, err)
 	}
 	// The batch's netlink socket, made in the pod's netns (entering one
 	// takes root; without it the plugin makes its own).
@@ -353,6 +357,11 @@ func TestAddConversationAndLogs(t *testing.T) {
 	out := &wire.Message{Kind: wire.KindOutcome, Logs: []json.RawMessage{rec, json.RawMessage(`["not a record"]`)}}
 	if err := c.Send(out, nil); err != nil {
 		t.Fatal(err)
+	}
+	// Success has no fifth message: only a failure's undo is confirmed.
+	_ = uc.SetReadDeadline(time.Now().Add(200 * time.Millisecond))
+	if m, _, err := c.Recv(); err == nil {
+		t.Errorf("a message after a successful outcome: %+v", m)
 	}
 	c.Close()
 	waitUntil(t, func() bool {
@@ -390,7 +399,9 @@ func TestAddOutsideTheMeshEndsWithTheDecision(t *testing.T) {
 
 // A failure of the agent's own part (ztunnel refused the pod) is the
 // plugin's answer after its outcome, and the handler still gets the
-// outcome (to undo the rules the plugin programmed).
+// outcome (to undo the rules the plugin programmed). Once the handler has
+// returned, its undo over, the plugin gets done, which its error waits
+// for (wire.Verdict.ConfirmsUndo).
 func TestAgentsFailureFailsTheAdd(t *testing.T) {
 	f := &fake{decision: &wire.Verdict{Mode: wire.ModeAmbient},
 		agentErr: errors.New("ztunnel refused: cannot enter netns")}
@@ -414,6 +425,12 @@ func TestAgentsFailureFailsTheAdd(t *testing.T) {
 	waitUntil(t, func() bool { return testutil.ToFloat64(hs.metrics.Requests.WithLabelValues("add", "failure")) == 1 })
 	if got := f.seenOutcomes(); len(got) != 1 {
 		t.Errorf("handler saw %d outcomes, want the one the plugin sent", len(got))
+	}
+	if m, _, err := c.Recv(); err != nil || m.Kind != wire.KindDone {
+		t.Fatalf("after the outcome: %+v %v, want done, the undo over", m, err)
+	}
+	if f.addsOver.Load() != 1 {
+		t.Error("done came before the handler's Add returned")
 	}
 }
 

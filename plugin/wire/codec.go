@@ -65,6 +65,9 @@ func AppendMessage(b []byte, m *Message) ([]byte, error) {
 		if d.Programmed {
 			b = append(b, `,"programmed":true`...)
 		}
+		if d.ConfirmsUndo {
+			b = append(b, `,"confirms_undo":true`...)
+		}
 		b = append(b, '}')
 	}
 	b = appendStr(b, "error", m.Error)
@@ -366,6 +369,8 @@ func decodeVerdict(v gjson.Result) (*Verdict, error) {
 			d.Reason, err = str(v, "decision", k)
 		case "programmed":
 			d.Programmed, err = boolean(v, "decision", k)
+		case "confirms_undo":
+			d.ConfirmsUndo, err = boolean(v, "decision", k)
 		}
 		return err
 	})

@@ -15,12 +15,15 @@
 //	agent  -> plugin  done     (the agent's part in place: ztunnel, host
 //	                            probe set, record) or error
 //	plugin -> agent   outcome  (batch programmed, or why not; the call's logs)
+//	agent  -> plugin  done     (only after a failure: the enrolment is undone)
 //
 // A pod outside the mesh ends after the decision. While the plugin
 // programs, the agent does its own part of the enrolment and answers done
 // without waiting for the outcome, which the plugin sends last, once it
 // has read done: the two cross, so neither side waits for the other to
-// wake up. A failure on either side makes the agent undo the enrolment.
+// wake up. A failure on either side makes the agent undo the enrolment,
+// and the plugin waits for that (Verdict.ConfirmsUndo): the success path
+// has no fifth message.
 //
 // DEL, CHECK (with the netns fd), STATUS, GC and INSPECT are one request
 // and one reply each. Log records the plugin has left once its
@@ -188,4 +191,10 @@ type Verdict struct {
 	// netns it holds, because its batch is too large for one message (a
 	// sidecar with thousands of ranges); the plugin has nothing to program.
 	Programmed bool `json:"programmed,omitempty"`
+	// ConfirmsUndo: after a failure on either side (its error in place of
+	// done, or an outcome with an error), the agent sends done once it has
+	// undone the enrolment, rules included; the plugin waits for it, so
+	// that its error holds when the runtime gets it. An older agent does
+	// not send it, and its plugin does not wait.
+	ConfirmsUndo bool `json:"confirms_undo,omitempty"`
 }

@@ -17,7 +17,7 @@ func TestRoundTrip(t *testing.T) {
 			IPs: []string{"10.0.0.5/24", "fd00::5/64"}}},
 		{Kind: KindDecision, Decision: &Verdict{Mode: ModeAmbient, Reason: "r"},
 			Batch: &nlsend.Batch{Tables: []byte{1, 2, 3}, Replace: []byte{4}, Routes: []byte{5, 6}}},
-		{Kind: KindDecision, Decision: &Verdict{Mode: ModeSidecar},
+		{Kind: KindDecision, Decision: &Verdict{Mode: ModeSidecar, ConfirmsUndo: true},
 			Batch: &nlsend.Batch{Tables: []byte{1}}},
 		{Kind: KindOutcome, Logs: []json.RawMessage{json.RawMessage(`{"msg":"programmed"}`)}},
 		{Kind: KindDone, Inspect: &Inspect{ZDS: "held", Verified: time.Date(2026, 12, 2, 0, 0, 0, 0, time.UTC), Repairs: 2, Drift: "table missing"}},
