@@ -58,7 +58,7 @@ func BenchmarkNodeBurst(b *testing.B) {
 	waitDaemonSetPodReady(b, n, "istio-system", "app=ztunnel")
 	mkNamespace(b, n, "burst", map[string]string{"istio.io/dataplane-mode": "ambient"})
 	kubelet := kubeletMetrics(n)
-	variants := benchVariants(b, burstVariants)
+	variants := benchVariants(b, burstVariants, "bound-watch")
 	for _, size := range []int{50, 100} {
 		b.Run(fmt.Sprint(size), func(b *testing.B) {
 			pods := map[string][]time.Duration{}          // variant -> every pod's start

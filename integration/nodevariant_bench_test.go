@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"log/slog"
 	"net"
 	"os"
 	"path/filepath"
@@ -27,7 +28,9 @@ import (
 // plugin asks a node agent, which annotates the pod) or at a reboot
 // ("gate": ztunnel-gate holds each mesh pod's ADD until ztunnel is
 // connected), nftcni's chart ("nftcni"; its agent in the node's network
-// namespace: "nftcni-hostnet"), or Istio's CNI ("istio-cni").
+// namespace: "nftcni-hostnet"), or Istio's CNI ("istio-cni"). "bound-watch"
+// is the bound with the pod and namespace watches of nftcni's agent, to
+// tell what those cost the API server.
 type nodeVariant struct {
 	name  string
 	n     *nodetest.Node
@@ -46,8 +49,8 @@ func startVariant(b *testing.B, n *nodetest.Node, imageValues []string, name str
 		helmInstall(b, n, slices.Concat(imageValues, []string{"--set", "ambient.shareHostNetworkNamespace=true"}), "chained")
 	case "istio-cni":
 		v.istio = startIstioCNI(b, n)
-	case "bound":
-		v.bound = startBound(b, n)
+	case "bound", "bound-watch":
+		v.bound = startBound(b, n, name == "bound-watch")
 	case "gate":
 		startGate(b, n)
 		n.WaitFor("the ztunnel stand-in connected to ztunnel-gate", 3*time.Minute, func() bool {
@@ -61,7 +64,7 @@ func startVariant(b *testing.B, n *nodetest.Node, imageValues []string, name str
 // enrolled says whether the variant's CNI annotates the pods of an ambient
 // namespace as enrolled (the bound does, without capturing them).
 func (v *nodeVariant) enrolled() bool {
-	return v.nftcni() || v.name == "istio-cni" || v.name == "bound"
+	return v.nftcni() || v.name == "istio-cni" || v.bound != nil
 }
 
 // nftcni says whether nftcni's chart runs.
@@ -133,15 +136,16 @@ func startGate(b *testing.B, n *nodetest.Node) {
 // (istiod reads it), with nftcni's client settings; the ADD does not wait
 // for the PATCH. Nothing is captured and ztunnel is told nothing.
 type boundAgent struct {
-	n *nodetest.Node
-	l *net.UnixListener
+	n         *nodetest.Node
+	l         *net.UnixListener
+	stopWatch context.CancelFunc
 }
 
 // boundSocket is where the bound's agent serves its plugin, on the node's
 // /run.
 const boundSocket = "/run/nftcni-bound/ask.sock"
 
-func startBound(b *testing.B, n *nodetest.Node) *boundAgent {
+func startBound(b *testing.B, n *nodetest.Node, watch bool) *boundAgent {
 	b.Helper()
 	if err := installFile(filepath.Join(binDir, "askplugin"), filepath.Join(n.BinDir, "askplugin")); err != nil {
 		b.Fatal(err)
@@ -160,7 +164,17 @@ func startBound(b *testing.B, n *nodetest.Node) *boundAgent {
 	if err != nil {
 		b.Fatal(err)
 	}
-	a := &boundAgent{n: n, l: l}
+	a := &boundAgent{n: n, l: l, stopWatch: func() {}}
+	if watch {
+		// The agent's own informers (pods on this node, namespaces), with
+		// nobody working their queue: the watches' cost alone.
+		ctx, cancel := context.WithCancel(context.Background())
+		a.stopWatch = cancel
+		if err := kube.New(client, nodetest.NodeName, nil, slog.New(slog.DiscardHandler), nil).Start(ctx); err != nil {
+			cancel()
+			b.Fatal(err)
+		}
+	}
 	go func() {
 		for {
 			c, err := l.AcceptUnix()
@@ -200,6 +214,7 @@ func (a *boundAgent) serve(b *testing.B, c *net.UnixConn, client *kube.Client) {
 
 // stop leaves the node bare: the primary's conflist, the socket gone.
 func (a *boundAgent) stop() {
+	a.stopWatch()
 	a.n.WritePrimaryConflist()
 	a.l.Close()
 	_ = os.RemoveAll(a.n.Path(filepath.Dir(boundSocket)))

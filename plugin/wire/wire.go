@@ -6,7 +6,8 @@
 // with its boundaries kept and a netns fd rides along in SCM_RIGHTS. A
 // message is one JSON object of at most MaxMessage bytes (codec.go).
 //
-// One pod ADD is one connection and, for an enrolled pod, four messages:
+// One pod ADD is one connection and, for an enrolled pod, four messages
+// (five after a failure):
 //
 //	plugin -> agent   add      (pod identity, IPs, runtime annotations, netns fd)
 //	agent  -> plugin  decision (none / ambient / sidecar, and the ruleset
