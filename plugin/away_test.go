@@ -246,31 +246,7 @@ func answeringAgent(t *testing.T, runDir string) {
 // servingAgent serves the agent's socket, answering each conversation's
 // first message with answer().
 func servingAgent(t *testing.T, runDir string, answer func() *wire.Message) {
-	l, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: filepath.Join(runDir, wire.SocketName), Net: "unixpacket"})
-	if err != nil {
-		t.Error(err)
-		return
-	}
-	t.Cleanup(func() { l.Close() })
-	go func() {
-		for {
-			uc, err := l.AcceptUnix()
-			if err != nil {
-				return
-			}
-			c, err := wire.NewConn(uc)
-			if err != nil {
-				return
-			}
-			if _, f, err := c.Recv(); err == nil {
-				if f != nil {
-					f.Close()
-				}
-				_ = c.Send(answer(), nil)
-			}
-			c.Close()
-		}
-	}()
+	conversingAgent(t, runDir, func(c *wire.Conn, _ <-chan struct{}) { _ = c.Send(answer(), nil) })
 }
 
 // A failed enrolment's error waits for the agent's undo: with
@@ -330,11 +306,13 @@ func TestFailedAddWaitsForTheUndo(t *testing.T) {
 
 // conversingAgent serves the agent's socket, one conversation at a time:
 // the first message is read, and talk has the rest, until stop closes at
-// the test's end.
+// the test's end. It may start after the test's own goroutine (an agent
+// coming back): an error is t.Error.
 func conversingAgent(t *testing.T, runDir string, talk func(c *wire.Conn, stop <-chan struct{})) {
 	l, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: filepath.Join(runDir, wire.SocketName), Net: "unixpacket"})
 	if err != nil {
-		t.Fatal(err)
+		t.Error(err)
+		return
 	}
 	done, stop := make(chan struct{}), make(chan struct{})
 	t.Cleanup(func() { close(stop); l.Close(); <-done })
