@@ -519,9 +519,7 @@ func TestCNIFailedAddReturnsOnceUndone(t *testing.T) {
 	n := newCNINode(t, 78)
 	n.startAgent()
 	full := n.list("bridge", "1.0.0", true, false)
-	if out, err := exec.Command("ip", "netns", "exec", n.node.Name, "nft", "delete", "table", "inet", nft.HostTable).CombinedOutput(); err != nil {
-		t.Fatalf("deleting the host probe table: %v\n%s", err, out)
-	}
+	testnet.Nft(t, n.node, "delete", "table", "inet", nft.HostTable)
 	n.ztunnel.SlowAcks(300 * time.Millisecond)
 	pod := testnet.NewNS(t, "nftpod")
 	n.pod(meshNS, "undone", nil)

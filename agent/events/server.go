@@ -41,7 +41,9 @@ type Handler interface {
 	// plugin is to program, plugin.Ready once the agent's own part is in
 	// place (or failed), then plugin.Outcome. An error before Decide is the
 	// answer to the add; one after Ready is the agent's to act on (the
-	// plugin has its answer).
+	// plugin has its answer), and Add returns it once the enrolment is
+	// undone: the server then tells a plugin that sent its outcome, which
+	// waits for that (wire.Verdict.ConfirmsUndo).
 	Add(ctx context.Context, pod *wire.Pod, netns *os.File, plugin Plugin) error
 	// Del is the pod's DEL: remove the pod's rules through netns (nil
 	// when the netns is gone) and release whatever is held for it. An
