@@ -25,6 +25,7 @@ import (
 	"github.com/nftcni/nftcni/internal/testnet"
 	"github.com/nftcni/nftcni/internal/unixsock"
 	"github.com/nftcni/nftcni/plugin/wire"
+	"github.com/nftcni/nftcni/templates"
 )
 
 // BenchmarkCNIAdd measures what nftcni adds to a pod's CNI ADD: the same
@@ -35,7 +36,9 @@ import (
 // back), askplugin (nullplugin plus one round trip with the netns fd to a
 // responder in this process that answers at once: the least a plugin that
 // must ask an agent can do), and nftcni for a pod in an excluded namespace (no agent contact),
-// a pod outside the mesh (one round trip to the agent), and an enrolled pod
+// a pod outside the mesh (one round trip to the agent), the same asking
+// askplugin's responder in place of the agent ("plain-stub": the plugin's
+// own share of "plain", the rest being the agent's), and an enrolled pod
 // (ambient ruleset programmed into its netns, ztunnel handed the netns).
 // Every round runs each variant once, in a rotating order, so drift on the
 // machine hits them alike; each variant keeps its own pod netns (ADD, then
@@ -54,21 +57,33 @@ func BenchmarkCNIAdd(b *testing.B) {
 	n.cni = libcni.NewCNIConfigWithCacheDir(n.cni.Path, b.TempDir(), timed)
 	n.startAgent()
 	primary := n.list("bridge", "1.0.0", false, false)
-	responder := respondAtOnce(b)
-	lists := map[string]*libcni.NetworkConfigList{
-		"primary":  primary,
-		"tuning":   withPlugin(b, primary, "tuning", `{"type": "tuning"}`),
-		"null":     withPlugin(b, primary, "nullplugin", `{"type": "nullplugin"}`),
-		"ask":      withPlugin(b, primary, "askplugin", `{"type": "askplugin", "socket": "`+responder+`"}`),
-		"excluded": n.list("bridge", "1.0.0", true, false),
-		"plain":    n.list("bridge", "1.0.0", true, false),
-		"enrolled": n.list("bridge", "1.0.0", true, false),
+	responder := respondAtOnce(b, filepath.Join(b.TempDir(), "ask.sock"))
+	// nftcni's entry with a run dir whose plugin socket is another such
+	// responder: its answer is a decision in the agent's own wire format.
+	stubRun := b.TempDir()
+	respondAtOnce(b, filepath.Join(stubRun, wire.SocketName))
+	stubEntry, err := sjson.SetBytes(n.entry(false), "cni_agent_run_dir", stubRun)
+	if err != nil {
+		b.Fatal(err)
 	}
-	appended := map[string]string{"tuning": "tuning", "null": "nullplugin", "ask": "askplugin", "excluded": "nftcni", "plain": "nftcni", "enrolled": "nftcni"}
+	lists := map[string]*libcni.NetworkConfigList{
+		"primary":    primary,
+		"tuning":     withPlugin(b, primary, "tuning", `{"type": "tuning"}`),
+		"null":       withPlugin(b, primary, "nullplugin", `{"type": "nullplugin"}`),
+		"ask":        withPlugin(b, primary, "askplugin", `{"type": "askplugin", "socket": "`+responder+`"}`),
+		"excluded":   n.list("bridge", "1.0.0", true, false),
+		"plain":      n.list("bridge", "1.0.0", true, false),
+		"plain-stub": withPlugin(b, primary, templates.PluginType, string(stubEntry)),
+		"enrolled":   n.list("bridge", "1.0.0", true, false),
+	}
+	appended := map[string]string{"tuning": "tuning", "null": "nullplugin", "ask": "askplugin", "excluded": "nftcni", "plain": "nftcni", "plain-stub": "nftcni", "enrolled": "nftcni"}
 	execs := map[string]string{"hello-exec": filepath.Join(binDir, "hello"), "nftcni-version-exec": filepath.Join(binDir, "nftcni"),
 		"tuning-version-exec": filepath.Join(referencePlugins(b), "tuning")}
-	order := []string{"primary", "tuning", "null", "ask", "excluded", "plain", "enrolled", "hello-exec", "nftcni-version-exec", "tuning-version-exec"}
+	order := []string{"primary", "tuning", "null", "ask", "excluded", "plain", "plain-stub", "enrolled", "hello-exec", "nftcni-version-exec", "tuning-version-exec"}
 	targets := []string{"enrolled", "plain"}
+	// Whose time "plain" spends over askplugin: the plugin's (plain-stub
+	// over ask) and the agent's (plain over plain-stub).
+	shares := [][2]string{{"plain-stub", "ask"}, {"plain", "plain-stub"}}
 	// Another build of the plugin (NFTCNI_BENCH_BASE_PLUGIN: the same
 	// command at the commit to compare with) runs as two more variants on
 	// the same agent: a change to the plugin is then measured within one
@@ -111,6 +126,8 @@ func BenchmarkCNIAdd(b *testing.B) {
 				namespace = meshNS
 			case "excluded":
 				namespace = "kube-system" // passes through without asking the agent
+			case "plain-stub":
+				namespace = meshNS // the responder answers "none" whatever the pod
 			}
 			n.pod(namespace, name, nil)
 			rt := runtimeConf(pods[v], namespace, name, nil)
@@ -150,6 +167,12 @@ func BenchmarkCNIAdd(b *testing.B) {
 		b.ReportMetric(lo, v+"-vs-tuning-exec-x-p5")
 		b.ReportMetric(hi, v+"-vs-tuning-exec-x-p95")
 	}
+	for _, s := range shares {
+		r, lo, hi := addedRatio(samples, s[0]+"-exec", s[1]+"-exec", "")
+		b.ReportMetric(r, s[0]+"-vs-"+s[1]+"-exec-x")
+		b.ReportMetric(lo, s[0]+"-vs-"+s[1]+"-exec-x-p5")
+		b.ReportMetric(hi, s[0]+"-vs-"+s[1]+"-exec-x-p95")
+	}
 	if len(samples["enrolled-base-exec"]) > 0 {
 		for _, v := range []string{"enrolled", "plain"} {
 			r, lo, hi := addedRatio(samples, v+"-exec", v+"-base-exec", "")
@@ -174,18 +197,26 @@ func tmpfsDir(t testing.TB) string {
 	return dir
 }
 
-// respondAtOnce serves askplugin until the benchmark ends: every
+// respondAtOnce serves askplugin at path until the benchmark ends: every
 // question (with its descriptor, closed at once) gets a short answer, from
 // a goroutine per connection on Go's poller, as the agent serves its
-// plugin. It returns the socket's path.
-func respondAtOnce(b *testing.B) string {
-	path := filepath.Join(b.TempDir(), "ask.sock")
+// plugin. The answer is in the plugin protocol's own format, which nftcni
+// can be pointed at too: a decision not to enrol, or done to a DEL. It
+// returns path.
+func respondAtOnce(b *testing.B, path string) string {
 	l, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: path, Net: "unixpacket"})
 	if err != nil {
 		b.Fatal(err)
 	}
 	b.Cleanup(func() { l.Close() })
-	answer := []byte(`{"kind":"decision","decision":{"mode":"none","reason":"namespace plain does not enrol its pods"}}`)
+	answer, err := wire.Encode(&wire.Message{Kind: wire.KindDecision, Decision: &wire.Verdict{Mode: wire.ModeNone, Reason: "namespace plain does not enrol its pods"}})
+	if err != nil {
+		b.Fatal(err)
+	}
+	done, err := wire.Encode(&wire.Message{Kind: wire.KindDone})
+	if err != nil {
+		b.Fatal(err)
+	}
 	go func() {
 		for {
 			c, err := l.AcceptUnix()
@@ -194,10 +225,15 @@ func respondAtOnce(b *testing.B) string {
 			}
 			go func() {
 				defer c.Close()
-				if _, err := readAsk(c); err != nil {
+				q, err := readAsk(c)
+				if err != nil {
 					return
 				}
-				if _, err := c.Write(answer); err == nil {
+				a := answer
+				if m, err := wire.Decode(q); err == nil && m.Kind == wire.KindDel { // nftcni's DEL
+					a = done
+				}
+				if _, err := c.Write(a); err == nil {
 					_, _ = c.Read(make([]byte, 64)) // until the plugin closes
 				}
 			}()
