@@ -57,7 +57,8 @@ func BenchmarkCNIAdd(b *testing.B) {
 	n.cni = libcni.NewCNIConfigWithCacheDir(n.cni.Path, b.TempDir(), timed)
 	n.startAgent()
 	primary := n.list("bridge", "1.0.0", false, false)
-	responder := respondAtOnce(b, filepath.Join(b.TempDir(), "ask.sock"))
+	responder := filepath.Join(b.TempDir(), "ask.sock")
+	respondAtOnce(b, responder)
 	// nftcni's entry with a run dir whose plugin socket is another such
 	// responder: its answer is a decision in the agent's own wire format.
 	stubRun := b.TempDir()
@@ -162,27 +163,28 @@ func BenchmarkCNIAdd(b *testing.B) {
 	// The targets' ratios with their spread: the same medians over
 	// bootstrap resamples of the rounds (each round runs every variant).
 	for _, v := range targets {
-		r, lo, hi := addedRatio(samples, v+"-exec", "tuning-exec", "")
-		b.ReportMetric(r, v+"-vs-tuning-exec-x")
-		b.ReportMetric(lo, v+"-vs-tuning-exec-x-p5")
-		b.ReportMetric(hi, v+"-vs-tuning-exec-x-p95")
+		reportExecRatio(b, samples, v, "tuning", v+"-vs-tuning-exec-x")
 	}
 	for _, s := range shares {
-		r, lo, hi := addedRatio(samples, s[0]+"-exec", s[1]+"-exec", "")
-		b.ReportMetric(r, s[0]+"-vs-"+s[1]+"-exec-x")
-		b.ReportMetric(lo, s[0]+"-vs-"+s[1]+"-exec-x-p5")
-		b.ReportMetric(hi, s[0]+"-vs-"+s[1]+"-exec-x-p95")
+		reportExecRatio(b, samples, s[0], s[1], s[0]+"-vs-"+s[1]+"-exec-x")
 	}
 	if len(samples["enrolled-base-exec"]) > 0 {
 		for _, v := range []string{"enrolled", "plain"} {
-			r, lo, hi := addedRatio(samples, v+"-exec", v+"-base-exec", "")
-			b.ReportMetric(r, v+"-vs-base-exec-x")
-			b.ReportMetric(lo, v+"-vs-base-exec-x-p5")
-			b.ReportMetric(hi, v+"-vs-base-exec-x-p95")
+			reportExecRatio(b, samples, v, v+"-base", v+"-vs-base-exec-x")
 		}
 	}
 	reportEnrolTimings(b, n.log.String())
 	b.ReportMetric(q("enrolled", 0.5)*1e6, "ns/op")
+}
+
+// reportExecRatio reports variant v's appended-plugin exec against base's,
+// paired by round, as metric name with its 90% bootstrap interval (name-p5,
+// name-p95).
+func reportExecRatio(b *testing.B, samples map[string][]time.Duration, v, base, name string) {
+	r, lo, hi := addedRatio(samples, v+"-exec", base+"-exec", "")
+	b.ReportMetric(r, name)
+	b.ReportMetric(lo, name+"-p5")
+	b.ReportMetric(hi, name+"-p95")
 }
 
 // tmpfsDir is a directory on a tmpfs, as the agent's run dir is on a node
@@ -201,9 +203,8 @@ func tmpfsDir(t testing.TB) string {
 // question (with its descriptor, closed at once) gets a short answer, from
 // a goroutine per connection on Go's poller, as the agent serves its
 // plugin. The answer is in the plugin protocol's own format, which nftcni
-// can be pointed at too: a decision not to enrol, or done to a DEL. It
-// returns path.
-func respondAtOnce(b *testing.B, path string) string {
+// can be pointed at too: a decision not to enrol, or done to a DEL.
+func respondAtOnce(b *testing.B, path string) {
 	l, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: path, Net: "unixpacket"})
 	if err != nil {
 		b.Fatal(err)
@@ -239,7 +240,6 @@ func respondAtOnce(b *testing.B, path string) string {
 			}()
 		}
 	}()
-	return path
 }
 
 // readAsk reads one askplugin question from c and closes the descriptors
